@@ -1,0 +1,148 @@
+"""Bookkeeping of reserved ranges and mapped slots, shared by every backend.
+
+The book is the single place that decides whether an address or size is valid
+before a backend touches the OS or the driver, so both backends refuse bad
+input with the same messages.
+
+Invariants: ranges never overlap; every mapped slot lies inside exactly one
+range; a range's ``num_mapped`` equals the mapped slots inside it.
+Cost: finding a slot's range is O(log R) (bisect over R range starts); marking a
+slot mapped or unmapped is O(1).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvdaemon.cuda_vmm.backend import PhysicalPage
+from kvdaemon.errors import BackendError
+
+
+@dataclass(slots=True)
+class _Range:
+    start: int
+    size_bytes: int
+    num_mapped: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size_bytes
+
+
+class AddressBook:
+    """Reserved ranges and the page mapped at each slot, for one backend."""
+
+    def __init__(self, page_size_bytes: int) -> None:
+        self.page_size_bytes = page_size_bytes
+        self._starts: list[int] = []
+        self._ranges: dict[int, _Range] = {}
+        self._mapped: dict[int, tuple[PhysicalPage, _Range]] = {}
+        self._last: _Range = _Range(0, 0)  # the range found last: most calls hit it again
+
+    def check_size(self, size_bytes: int) -> None:
+        """Raise unless ``size_bytes`` is a positive multiple of the page size."""
+        if not isinstance(size_bytes, int) or size_bytes <= 0:
+            raise BackendError(f"size must be a positive number of bytes, got {size_bytes!r}")
+        if size_bytes % self.page_size_bytes:
+            raise BackendError(
+                f"size {size_bytes} is not a multiple of the page size {self.page_size_bytes}"
+            )
+
+    def add_range(self, start: int, size_bytes: int) -> None:
+        """Record a new reservation at ``start``."""
+        bisect.insort(self._starts, start)
+        self._ranges[start] = _Range(start, size_bytes)
+
+    def remove_range(self, start: int) -> int:
+        """Forget the range starting at ``start``; return its size. It must be unmapped."""
+        rng = self._ranges.get(start)
+        if rng is None:
+            raise BackendError(f"address {start:#x} is not the start of a reserved range")
+        if rng.num_mapped:
+            raise BackendError(
+                f"range at {start:#x} still has {rng.num_mapped} mapped page(s); unmap them first"
+            )
+        del self._ranges[start]
+        self._starts.remove(start)
+        if self._last is rng:
+            self._last = _Range(0, 0)
+        return rng.size_bytes
+
+    def range_starts(self) -> list[int]:
+        """Starts of every live range, ascending."""
+        return list(self._starts)
+
+    def _range_of(self, addr: int) -> _Range:
+        if addr % self.page_size_bytes:
+            raise BackendError(
+                f"address {addr:#x} is not aligned to the page size {self.page_size_bytes}"
+            )
+        return self._containing(addr)
+
+    def _containing(self, addr: int) -> _Range:
+        rng = self._last
+        if rng.start <= addr < rng.start + rng.size_bytes:
+            return rng
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i >= 0:
+            rng = self._ranges[self._starts[i]]
+            if addr < rng.start + rng.size_bytes:
+                self._last = rng
+                return rng
+        raise BackendError(f"address {addr:#x} is not inside a reserved range")
+
+    def mark_mapped(self, addr: int, page: PhysicalPage) -> None:
+        """Check ``addr`` is a free slot and record ``page`` there."""
+        if addr in self._mapped:
+            raise BackendError(f"address {addr:#x} is already mapped; unmap it first")
+        rng = self._range_of(addr)
+        self._mapped[addr] = (page, rng)
+        rng.num_mapped += 1
+
+    def unmark_mapped(self, addr: int) -> PhysicalPage:
+        """Forget the page mapped at ``addr``; it must be mapped."""
+        entry = self._mapped.pop(addr, None)
+        if entry is None:
+            self._range_of(addr)  # a misaligned or foreign address says so
+            raise BackendError(f"address {addr:#x} is not mapped")
+        page, rng = entry
+        rng.num_mapped -= 1
+        return page
+
+    def slots(self, addr: int, size_bytes: int) -> Iterator[int]:
+        """Every slot address in ``[addr, addr + size_bytes)``, checked mapped first."""
+        self.check_size(size_bytes)
+        end = addr + size_bytes
+        rng = self._range_of(addr)
+        if end > rng.start + rng.size_bytes:
+            raise BackendError(f"range [{addr:#x}, {end:#x}) runs past its reservation")
+        for slot in range(addr, end, self.page_size_bytes):
+            if slot not in self._mapped:
+                raise BackendError(f"address {slot:#x} is not mapped")
+        return iter(range(addr, end, self.page_size_bytes))
+
+    def check_view(self, addr: int, size_bytes: int) -> None:
+        """Raise unless ``[addr, addr + size_bytes)`` lies inside one reserved range.
+
+        A view may span unmapped slots: touching those faults, as with CUDA.
+        """
+        if not isinstance(size_bytes, int) or size_bytes <= 0:
+            raise BackendError(f"view size must be a positive number of bytes, got {size_bytes!r}")
+        rng = self._containing(addr)
+        if addr + size_bytes > rng.start + rng.size_bytes:
+            raise BackendError(f"view of {size_bytes} bytes at {addr:#x} runs past its reservation")
+
+    def mapped_in(self, start: int) -> list[int]:
+        """Mapped slot addresses of the range starting at ``start``."""
+        rng = self._ranges[start]
+        end = start + rng.size_bytes
+        return [a for a in self._mapped if start <= a < end]
+
+    def page_at(self, addr: int) -> PhysicalPage:
+        """The page mapped at slot ``addr``; raises if none is."""
+        entry = self._mapped.get(addr)
+        if entry is None:
+            raise BackendError(f"address {addr:#x} is not mapped")
+        return entry[0]

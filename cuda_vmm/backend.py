@@ -1,0 +1,117 @@
+"""The virtual-memory backend interface shared by the ``cuda`` and ``host`` backends.
+
+A backend separates *virtual* address ranges from *physical* pages:
+
+- ``reserve(size_bytes)`` takes a range of addresses with nothing behind it;
+- ``create_page(page_id)`` makes one physical page of ``page_size_bytes``;
+- ``map_page(addr, page)`` puts a page behind one page-sized slot of a range,
+  readable and writable; ``unmap(addr, size_bytes)`` takes pages away again;
+- ``export_page(page)`` gives a file descriptor that another process turns back
+  into the same page with ``import_page(fd, page_id)``.
+
+Invariants every backend keeps (and checks, raising ``BackendError``):
+
+- addresses and sizes passed in are multiples of ``page_size_bytes``;
+- a slot is mapped at most once; only mapped slots are unmapped;
+- ``page_id`` is in ``[0, num_pages)`` on the creating side;
+- a range handed back by ``free_range`` has all its slots unmapped first.
+
+The backend tracks its own reservations and mappings in dicts, so every check
+is O(1) per page; no call scans a range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_PAGE_SIZE_BYTES = 2 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class PhysicalPage:
+    """One physical page as this process sees it.
+
+    ``page_id`` is the page's index in the creating pool. ``handle`` is the
+    backend's own object (host: the fd of the pool file; cuda: a
+    ``CUmemGenericAllocationHandle``) and ``offset_bytes`` the page's offset
+    within that handle (host: ``page_id * page_size``; cuda: 0).
+    """
+
+    page_id: int
+    handle: Any
+    offset_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemInfo:
+    """Free and total bytes of the device (host: physical RAM)."""
+
+    free_bytes: int
+    total_bytes: int
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the daemon and the client need from a virtual-memory backend."""
+
+    name: str
+    device: int
+    page_size_bytes: int
+    num_pages: int
+
+    @property
+    def granularity_bytes(self) -> int:
+        """Smallest size and alignment the backend can map."""
+        ...
+
+    def start(self) -> None:
+        """Open the device (cuda) or the pool file (host). Idempotent."""
+        ...
+
+    def close(self) -> None:
+        """Unmap and free every range, release every page created here."""
+        ...
+
+    def reserve(self, size_bytes: int) -> int:
+        """Reserve ``size_bytes`` of address space; return its page-aligned start."""
+        ...
+
+    def free_range(self, addr: int) -> None:
+        """Give back a range from ``reserve``; all its slots must be unmapped."""
+        ...
+
+    def create_page(self, page_id: int) -> PhysicalPage:
+        """Create the physical page ``page_id`` of this pool."""
+        ...
+
+    def release_page(self, page: PhysicalPage) -> None:
+        """Release a page created or imported here; its memory goes back."""
+        ...
+
+    def export_page(self, page: PhysicalPage) -> int:
+        """A new fd for ``page``, owned by the caller (send it, then close it)."""
+        ...
+
+    def import_page(self, fd: int, page_id: int) -> PhysicalPage:
+        """Turn an exported fd into a page of this process. Takes ownership of fd."""
+        ...
+
+    def map_page(self, addr: int, page: PhysicalPage) -> None:
+        """Map ``page`` read-write at ``addr``, a free slot of a reserved range."""
+        ...
+
+    def unmap(self, addr: int, size_bytes: int) -> None:
+        """Unmap every slot in ``[addr, addr + size_bytes)``; each must be mapped."""
+        ...
+
+    def tensor(self, addr: int, size_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of ``dtype`` viewing the bytes at ``addr`` (no copy)."""
+        ...
+
+    def mem_info(self) -> MemInfo:
+        """Free and total bytes of the device."""
+        ...

@@ -1,0 +1,255 @@
+"""The ``cuda`` backend: CUDA virtual memory management through cuda-python.
+
+Pages are ``cuMemCreate`` allocations of ``page_size_bytes`` on one device,
+created exportable as POSIX file descriptors so that another process can
+``cuMemImportFromShareableHandle`` them. Ranges come from
+``cuMemAddressReserve``; ``map_page`` is ``cuMemMap`` followed by
+``cuMemSetAccess`` (read-write for this device); ``unmap`` synchronizes the
+context first, so no kernel still reads the memory when it goes.
+
+The device's primary context is made current on the calling thread at
+``start()`` and before each driver call that needs one. A page stays alive
+while any process maps it, even after its creator released it.
+
+Cost: one or two driver calls per operation (plus a ``cuCtxSynchronize`` per
+``unmap``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from kvdaemon.cuda_vmm.address_book import AddressBook
+from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage
+from kvdaemon.errors import BackendError
+
+if TYPE_CHECKING:
+    import torch
+
+
+def load_driver() -> Any:
+    """Import ``cuda.bindings.driver`` and initialise it, or raise a clear BackendError."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise BackendError(
+            "the cuda backend needs cuda-python: pip install 'kvdaemon[cuda]'"
+        ) from exc
+    try:
+        from cuda.pathfinder import DynamicLibNotFoundError
+    except ImportError:  # older cuda-python without pathfinder
+        DynamicLibNotFoundError = OSError  # noqa: N806
+    try:
+        (err,) = driver.cuInit(0)
+    except (DynamicLibNotFoundError, OSError, RuntimeError) as exc:
+        raise BackendError(
+            "no CUDA driver found on this machine (libcuda could not be loaded); "
+            "use --backend host or install the NVIDIA driver",
+            "NO_DRIVER",
+        ) from exc
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise BackendError("CUDA driver failed to initialise (is there a GPU?)", _name(driver, err))
+    return driver
+
+
+def _name(driver: Any, err: Any) -> str:
+    got, name = driver.cuGetErrorName(err)
+    if got == driver.CUresult.CUDA_SUCCESS and name:
+        return name.decode() if isinstance(name, bytes) else str(name)
+    return str(err)
+
+
+class CudaBackend:
+    """Device-memory backend over the CUDA driver's VMM API (see the module docstring)."""
+
+    name = "cuda"
+
+    def __init__(
+        self, num_pages: int = 0, page_size_bytes: int = DEFAULT_PAGE_SIZE_BYTES, device: int = 0
+    ) -> None:
+        if num_pages < 0:
+            raise BackendError(f"number of pages must be >= 0, got {num_pages}")
+        self.device = device
+        self.page_size_bytes = page_size_bytes
+        self.num_pages = num_pages
+        self._drv: Any = None
+        self._ctx: Any = None
+        self._prop: Any = None
+        self._access: Any = None
+        self._granularity = 0
+        self._book = AddressBook(page_size_bytes)
+        self._created: dict[int, Any] = {}
+
+    @property
+    def granularity_bytes(self) -> int:
+        self._driver()
+        return self._granularity
+
+    def _check(self, result: Any, what: str) -> Any:
+        err = result[0]
+        if err != self._drv.CUresult.CUDA_SUCCESS:
+            raise BackendError(f"{what} failed", _name(self._drv, err))
+        return result[1] if len(result) == 2 else result[1:]
+
+    def _driver(self) -> Any:
+        if self._drv is None:
+            raise BackendError("cuda backend is not started; call start() first")
+        self._check(self._drv.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        return self._drv
+
+    def start(self) -> None:
+        if self._drv is not None:
+            return
+        drv = load_driver()
+        self._drv = drv
+        num_devices = self._check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
+        if not 0 <= self.device < num_devices:
+            self._drv = None
+            raise BackendError(f"CUDA device {self.device} does not exist ({num_devices} found)")
+        dev = self._check(drv.cuDeviceGet(self.device), "cuDeviceGet")
+        self._ctx = self._check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        self._check(drv.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device
+        prop.requestedHandleTypes = (
+            drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        )
+        self._prop = prop
+        access = drv.CUmemAccessDesc()
+        access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = self.device
+        access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = access
+        self._granularity = int(
+            self._check(
+                drv.cuMemGetAllocationGranularity(
+                    prop, drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+                ),
+                "cuMemGetAllocationGranularity",
+            )
+        )
+        if self.page_size_bytes <= 0 or self.page_size_bytes % self._granularity:
+            self.close()
+            raise BackendError(
+                f"page size {self.page_size_bytes} must be a positive multiple of the "
+                f"device granularity {self._granularity}"
+            )
+
+    def close(self) -> None:
+        if self._drv is None:
+            return
+        for start in self._book.range_starts():
+            for addr in self._book.mapped_in(start):
+                self.unmap(addr, self.page_size_bytes)
+            self.free_range(start)
+        for handle in self._created.values():
+            self._drv.cuMemRelease(handle)
+        self._created.clear()
+        dev = self._check(self._drv.cuDeviceGet(self.device), "cuDeviceGet")
+        self._drv.cuDevicePrimaryCtxRelease(dev)
+        self._drv = None
+
+    def reserve(self, size_bytes: int) -> int:
+        self._book.check_size(size_bytes)
+        drv = self._driver()
+        ptr = self._check(
+            drv.cuMemAddressReserve(size_bytes, self.page_size_bytes, 0, 0), "cuMemAddressReserve"
+        )
+        start = int(ptr)
+        self._book.add_range(start, size_bytes)
+        return start
+
+    def free_range(self, addr: int) -> None:
+        size_bytes = self._book.remove_range(addr)
+        drv = self._driver()
+        self._check(drv.cuMemAddressFree(drv.CUdeviceptr(addr), size_bytes), "cuMemAddressFree")
+
+    def create_page(self, page_id: int) -> PhysicalPage:
+        drv = self._driver()
+        if not isinstance(page_id, int) or not 0 <= page_id < self.num_pages:
+            raise BackendError(f"page {page_id!r} is outside the pool of {self.num_pages} pages")
+        if page_id in self._created:
+            raise BackendError(f"page {page_id} already exists")
+        handle = self._check(drv.cuMemCreate(self.page_size_bytes, self._prop, 0), "cuMemCreate")
+        self._created[page_id] = handle
+        return PhysicalPage(page_id, handle, 0)
+
+    def release_page(self, page: PhysicalPage) -> None:
+        drv = self._driver()
+        if self._created.get(page.page_id) is page.handle:
+            del self._created[page.page_id]
+        self._check(drv.cuMemRelease(page.handle), "cuMemRelease")
+
+    def export_page(self, page: PhysicalPage) -> int:
+        drv = self._driver()
+        kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        fd = self._check(
+            drv.cuMemExportToShareableHandle(page.handle, kind, 0), "cuMemExportToShareableHandle"
+        )
+        return int(fd)
+
+    def import_page(self, fd: int, page_id: int) -> PhysicalPage:
+        drv = self._driver()
+        kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        try:
+            handle = self._check(
+                drv.cuMemImportFromShareableHandle(fd, kind), "cuMemImportFromShareableHandle"
+            )
+        finally:
+            os.close(fd)
+        return PhysicalPage(page_id, handle, 0)
+
+    def map_page(self, addr: int, page: PhysicalPage) -> None:
+        drv = self._driver()
+        self._book.mark_mapped(addr, page)
+        ptr = drv.CUdeviceptr(addr)
+        try:
+            self._check(drv.cuMemMap(ptr, self.page_size_bytes, 0, page.handle, 0), "cuMemMap")
+        except BackendError:
+            self._book.unmark_mapped(addr)
+            raise
+        try:
+            self._check(
+                drv.cuMemSetAccess(ptr, self.page_size_bytes, [self._access], 1), "cuMemSetAccess"
+            )
+        except BackendError:
+            drv.cuMemUnmap(ptr, self.page_size_bytes)
+            self._book.unmark_mapped(addr)
+            raise
+
+    def unmap(self, addr: int, size_bytes: int) -> None:
+        drv = self._driver()
+        slots = list(self._book.slots(addr, size_bytes))
+        self._check(drv.cuCtxSynchronize(), "cuCtxSynchronize")
+        self._check(drv.cuMemUnmap(drv.CUdeviceptr(addr), size_bytes), "cuMemUnmap")
+        for slot in slots:
+            self._book.unmark_mapped(slot)
+
+    def tensor(self, addr: int, size_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        self._book.check_view(addr, size_bytes)
+        view = _DeviceBytes(addr, size_bytes)
+        return torch.as_tensor(view, device=f"cuda:{self.device}").view(dtype)
+
+    def mem_info(self) -> MemInfo:
+        drv = self._driver()
+        free, total = self._check(drv.cuMemGetInfo(), "cuMemGetInfo")
+        return MemInfo(free_bytes=int(free), total_bytes=int(total))
+
+
+class _DeviceBytes:
+    """A byte array in device memory, exposed through ``__cuda_array_interface__``."""
+
+    def __init__(self, addr: int, size_bytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (size_bytes,),
+            "typestr": "|u1",
+            "data": (addr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }

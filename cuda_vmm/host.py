@@ -1,0 +1,230 @@
+"""The ``host`` backend: CUDA-VMM semantics on Linux virtual memory.
+
+The pool is one memfd of ``num_pages * page_size_bytes``; physical page k is the
+file range at ``k * page_size_bytes``. A reservation is an anonymous
+``PROT_NONE | MAP_NORESERVE`` mapping (no memory behind it); mapping a page
+replaces one slot with ``MAP_SHARED | MAP_FIXED`` of the file range; unmapping
+puts ``PROT_NONE`` back; releasing punches a hole in the file
+(``fallocate(PUNCH_HOLE)``) so the memory returns to the OS at once. The pool fd
+crosses processes like a CUDA handle: ``export_page`` dups it, and
+``import_page`` keeps one fd per distinct pool file.
+
+Unlike CUDA, releasing a page zeroes it for every process that still maps it:
+the daemon must release a page only once its tenant unmapped it or died.
+
+Cost: map and unmap are one ``mmap`` syscall each; release is one ``fallocate``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from typing import TYPE_CHECKING
+
+import psutil
+
+from kvdaemon.cuda_vmm.address_book import AddressBook
+from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage
+from kvdaemon.errors import BackendError
+
+if TYPE_CHECKING:
+    import torch
+
+_PROT_NONE = 0x0
+_PROT_RW = 0x1 | 0x2
+_MAP_SHARED = 0x01
+_MAP_PRIVATE = 0x02
+_MAP_FIXED = 0x10
+_MAP_ANONYMOUS = 0x20
+_MAP_NORESERVE = 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_FALLOC_PUNCH_HOLE = 0x01 | 0x02  # KEEP_SIZE | PUNCH_HOLE
+_RESERVE_FLAGS = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+
+
+def _load_libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+    ]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.fallocate.restype = ctypes.c_int
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    return libc
+
+
+def _os_error(call: str) -> BackendError:
+    err = ctypes.get_errno()
+    return BackendError(f"{call} failed: {os.strerror(err)}", errno.errorcode.get(err, str(err)))
+
+
+def _not_started(*_args: object) -> int:
+    raise BackendError("host backend is not started; call start() first")
+
+
+class HostBackend:
+    """Host-memory backend over one memfd pool (see the module docstring).
+
+    ``num_pages == 0`` makes an importer only (a client): it maps pages other
+    processes export but creates none.
+    """
+
+    name = "host"
+
+    def __init__(
+        self, num_pages: int = 0, page_size_bytes: int = DEFAULT_PAGE_SIZE_BYTES, device: int = 0
+    ) -> None:
+        if page_size_bytes <= 0 or page_size_bytes % mmap.PAGESIZE:
+            raise BackendError(
+                f"page size {page_size_bytes} must be a positive multiple of {mmap.PAGESIZE}"
+            )
+        if num_pages < 0:
+            raise BackendError(f"number of pages must be >= 0, got {num_pages}")
+        self.device = device
+        self.page_size_bytes = page_size_bytes
+        self.num_pages = num_pages
+        self.pool_fd = -1
+        self._libc: ctypes.CDLL | None = None
+        self._mmap = _not_started  # libc.mmap once started; bound here for the hot path
+        self._book = AddressBook(page_size_bytes)
+        self._created: set[int] = set()
+        self._imported_fds: dict[tuple[int, int], int] = {}
+
+    @property
+    def granularity_bytes(self) -> int:
+        return mmap.PAGESIZE
+
+    def start(self) -> None:
+        if self._libc is not None:
+            return
+        self._libc = _load_libc()
+        self._mmap = self._libc.mmap
+        if self.num_pages:
+            self.pool_fd = os.memfd_create("kvdaemon-pool", os.MFD_CLOEXEC)
+            os.ftruncate(self.pool_fd, self.num_pages * self.page_size_bytes)
+
+    def close(self) -> None:
+        if self._libc is None:
+            return
+        for start in self._book.range_starts():
+            for addr in self._book.mapped_in(start):
+                self.unmap(addr, self.page_size_bytes)
+            self.free_range(start)
+        for fd in self._imported_fds.values():
+            os.close(fd)
+        self._imported_fds.clear()
+        if self.pool_fd >= 0:
+            os.close(self.pool_fd)
+            self.pool_fd = -1
+        self._created.clear()
+        self._libc = None
+        self._mmap = _not_started
+
+    def _lib(self) -> ctypes.CDLL:
+        if self._libc is None:
+            raise BackendError("host backend is not started; call start() first")
+        return self._libc
+
+    def reserve(self, size_bytes: int) -> int:
+        self._book.check_size(size_bytes)
+        libc = self._lib()
+        # Over-reserve by one page, then trim, so the start is page-aligned.
+        span = size_bytes + self.page_size_bytes
+        raw = libc.mmap(None, span, _PROT_NONE, _RESERVE_FLAGS, -1, 0)
+        if raw == _MAP_FAILED:
+            raise _os_error(f"reserving {size_bytes} bytes")
+        start = (raw + self.page_size_bytes - 1) // self.page_size_bytes * self.page_size_bytes
+        if start > raw:
+            libc.munmap(raw, start - raw)
+        tail = raw + span - (start + size_bytes)
+        if tail:
+            libc.munmap(start + size_bytes, tail)
+        self._book.add_range(start, size_bytes)
+        return start
+
+    def free_range(self, addr: int) -> None:
+        size_bytes = self._book.remove_range(addr)
+        if self._lib().munmap(addr, size_bytes) != 0:
+            raise _os_error("munmap")
+
+    def _check_page_id(self, page_id: int) -> None:
+        if not isinstance(page_id, int) or not 0 <= page_id < self.num_pages:
+            raise BackendError(f"page {page_id!r} is outside the pool of {self.num_pages} pages")
+
+    def create_page(self, page_id: int) -> PhysicalPage:
+        self._lib()
+        self._check_page_id(page_id)
+        if page_id in self._created:
+            raise BackendError(f"page {page_id} already exists")
+        self._created.add(page_id)
+        return PhysicalPage(page_id, self.pool_fd, page_id * self.page_size_bytes)
+
+    def release_page(self, page: PhysicalPage) -> None:
+        libc = self._lib()
+        if page.handle != self.pool_fd:
+            return  # imported: the creator owns the memory, nothing to give back here
+        if page.page_id not in self._created:
+            raise BackendError(f"page {page.page_id} was not created here or is already released")
+        if libc.fallocate(self.pool_fd, _FALLOC_PUNCH_HOLE, page.offset_bytes, self.page_size_bytes):
+            raise _os_error("fallocate(PUNCH_HOLE)")
+        self._created.discard(page.page_id)
+
+    def export_page(self, page: PhysicalPage) -> int:
+        self._lib()
+        if page.handle != self.pool_fd or page.page_id not in self._created:
+            raise BackendError(f"page {page.page_id} was not created here; cannot export it")
+        return os.dup(self.pool_fd)
+
+    def import_page(self, fd: int, page_id: int) -> PhysicalPage:
+        self._lib()
+        try:
+            st = os.fstat(fd)
+        except OSError as exc:
+            raise BackendError(f"cannot import fd {fd}: {exc.strerror}", "EBADF") from exc
+        offset = page_id * self.page_size_bytes if isinstance(page_id, int) else -1
+        if offset < 0 or offset + self.page_size_bytes > st.st_size:
+            os.close(fd)
+            raise BackendError(f"page {page_id!r} is outside the exported pool of {st.st_size} bytes")
+        key = (st.st_dev, st.st_ino)
+        pool_fd = self._imported_fds.get(key)
+        if pool_fd is None:
+            self._imported_fds[key] = pool_fd = fd
+        else:
+            os.close(fd)
+        return PhysicalPage(page_id, pool_fd, offset)
+
+    def map_page(self, addr: int, page: PhysicalPage) -> None:
+        self._book.mark_mapped(addr, page)
+        got = self._mmap(
+            addr, self.page_size_bytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED, page.handle, page.offset_bytes
+        )
+        if got != addr:
+            self._book.unmark_mapped(addr)
+            raise _os_error(f"mapping page {page.page_id} at {addr:#x}")
+
+    def unmap(self, addr: int, size_bytes: int) -> None:
+        book = self._book
+        if size_bytes == self.page_size_bytes:
+            pages = [book.unmark_mapped(addr)]  # one slot: the common case, no scan
+        else:
+            pages = [book.unmark_mapped(slot) for slot in book.slots(addr, size_bytes)]
+        got = self._mmap(addr, size_bytes, _PROT_NONE, _RESERVE_FLAGS | _MAP_FIXED, -1, 0)
+        if got != addr:
+            for i, page in enumerate(pages):
+                book.mark_mapped(addr + i * self.page_size_bytes, page)
+            raise _os_error(f"unmapping {size_bytes} bytes at {addr:#x}")
+
+    def tensor(self, addr: int, size_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        self._book.check_view(addr, size_bytes)
+        buf = (ctypes.c_ubyte * size_bytes).from_address(addr)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
+
+    def mem_info(self) -> MemInfo:
+        vm = psutil.virtual_memory()
+        return MemInfo(free_bytes=int(vm.available), total_bytes=int(vm.total))

@@ -1,0 +1,1 @@
+"""Engine adapters: ``hf`` (transformers)."""

@@ -1,0 +1,130 @@
+"""Every error kvdaemon raises, each with a stable wire code.
+
+All errors derive from :class:`KVDaemonError`. The ``code`` class attribute is
+the string that crosses the control channel; it never changes once released, so
+clients and tests may match on it. ``from_code`` rebuilds the matching class on
+the client side.
+"""
+
+from __future__ import annotations
+
+
+class KVDaemonError(Exception):
+    """Root of every kvdaemon error. ``code`` is the stable wire code."""
+
+    code: str = "INTERNAL"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(KVDaemonError):
+    """A request is malformed: wrong shape, type or range of a field."""
+
+    code = "BAD_REQUEST"
+
+
+class UnknownOp(KVDaemonError):
+    """A request names an op the daemon does not have."""
+
+    code = "UNKNOWN_OP"
+
+
+class UnknownTenant(KVDaemonError):
+    """A request names a tenant that is not registered."""
+
+    code = "UNKNOWN_TENANT"
+
+
+class Forbidden(KVDaemonError):
+    """The caller lacks the token or uid the op needs."""
+
+    code = "FORBIDDEN"
+
+
+class NoMemory(KVDaemonError):
+    """The pool has too few free pages to grant the request."""
+
+    code = "NO_MEMORY"
+
+
+class OverLimit(KVDaemonError):
+    """Granting the request would take a tenant past its ``max_bytes``."""
+
+    code = "OVER_LIMIT"
+
+
+class Asleep(KVDaemonError):
+    """The tenant is sleeping; wake it first."""
+
+    code = "ASLEEP"
+
+
+class Conflict(KVDaemonError):
+    """The request conflicts with current state (name taken, stale revision)."""
+
+    code = "CONFLICT"
+
+
+class VersionMismatch(KVDaemonError):
+    """Client and daemon speak different protocol versions."""
+
+    code = "VERSION_MISMATCH"
+
+
+class DaemonUnreachable(KVDaemonError):
+    """No daemon answered at the given directory within the timeout."""
+
+    code = "UNREACHABLE"
+
+
+class ConfigError(KVDaemonError):
+    """A configuration value (flag, env variable, file) is invalid."""
+
+    code = "CONFIG"
+
+
+class BackendError(KVDaemonError):
+    """A virtual-memory backend operation failed.
+
+    ``driver_code`` carries the underlying error: the CUDA driver's error name
+    (``"CUDA_ERROR_OUT_OF_MEMORY"``), an errno name (``"EINVAL"``), or ``None``
+    when the backend itself refused the call before reaching the OS or driver.
+    """
+
+    code = "BACKEND_ERROR"
+
+    def __init__(self, message: str, driver_code: str | None = None) -> None:
+        super().__init__(message if driver_code is None else f"{message} [{driver_code}]")
+        self.driver_code = driver_code
+
+
+_BY_CODE: dict[str, type[KVDaemonError]] = {
+    cls.code: cls
+    for cls in (
+        KVDaemonError,
+        BadRequest,
+        UnknownOp,
+        UnknownTenant,
+        Forbidden,
+        NoMemory,
+        OverLimit,
+        Asleep,
+        Conflict,
+        VersionMismatch,
+        DaemonUnreachable,
+        ConfigError,
+        BackendError,
+    )
+}
+
+
+def from_code(code: str, message: str) -> KVDaemonError:
+    """Rebuild the error for a wire ``code``; unknown codes give the root class."""
+    cls = _BY_CODE.get(code, KVDaemonError)
+    error = cls.__new__(cls)
+    KVDaemonError.__init__(error, message)
+    if isinstance(error, BackendError):
+        error.driver_code = None
+    return error

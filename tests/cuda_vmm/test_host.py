@@ -1,0 +1,154 @@
+"""The host backend: memfd pool, PROT_NONE reservations, MAP_FIXED pages."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvdaemon.cuda_vmm import HostBackend
+from kvdaemon.errors import BackendError
+
+from .conftest import PAGE_BYTES, make_host
+
+
+def run_child(script: str, pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter, returning its result."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        pass_fds=pass_fds,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_round_trip_through_tensor_view(host: HostBackend) -> None:
+    base = host.reserve(4 * PAGE_BYTES)
+    assert base % PAGE_BYTES == 0
+    page = host.create_page(3)
+    slot = base + 2 * PAGE_BYTES
+    host.map_page(slot, page)
+    view = host.tensor(slot, PAGE_BYTES, torch.int32)
+    assert view.numel() == PAGE_BYTES // 4
+    view.copy_(torch.arange(view.numel(), dtype=torch.int32))
+    again = host.tensor(slot, PAGE_BYTES, torch.int32)
+    assert torch.equal(again, torch.arange(view.numel(), dtype=torch.int32))
+    host.unmap(slot, PAGE_BYTES)
+    # The bytes live in the page, not the slot: map it elsewhere and read them.
+    host.map_page(base, page)
+    moved = host.tensor(base, PAGE_BYTES, torch.int32)
+    assert int(moved[12345]) == 12345
+    host.unmap(base, PAGE_BYTES)
+    host.release_page(page)
+    host.free_range(base)
+
+
+def test_two_pages_hold_distinct_bytes(host: HostBackend) -> None:
+    base = host.reserve(2 * PAGE_BYTES)
+    pages = [host.create_page(0), host.create_page(1)]
+    for i, page in enumerate(pages):
+        host.map_page(base + i * PAGE_BYTES, page)
+    host.tensor(base, PAGE_BYTES, torch.uint8).fill_(7)
+    host.tensor(base + PAGE_BYTES, PAGE_BYTES, torch.uint8).fill_(9)
+    both = host.tensor(base, 2 * PAGE_BYTES, torch.uint8)
+    assert int(both[:PAGE_BYTES].sum()) == 7 * PAGE_BYTES
+    assert int(both[PAGE_BYTES:].sum()) == 9 * PAGE_BYTES
+    host.unmap(base, 2 * PAGE_BYTES)
+    for page in pages:
+        host.release_page(page)
+
+
+def test_release_returns_memory_to_the_os(host: HostBackend) -> None:
+    base = host.reserve(PAGE_BYTES)
+    page = host.create_page(5)
+    host.map_page(base, page)
+    host.tensor(base, PAGE_BYTES, torch.uint8).fill_(1)
+    touched = os.fstat(host.pool_fd).st_blocks * 512
+    assert touched >= PAGE_BYTES
+    host.unmap(base, PAGE_BYTES)
+    host.release_page(page)
+    assert os.fstat(host.pool_fd).st_blocks * 512 <= touched - PAGE_BYTES
+    # A fresh page at the same index reads zeros.
+    again = host.create_page(5)
+    host.map_page(base, again)
+    assert int(host.tensor(base, PAGE_BYTES, torch.uint8).sum()) == 0
+    host.unmap(base, PAGE_BYTES)
+
+
+def test_child_process_shares_the_page(host: HostBackend) -> None:
+    base = host.reserve(PAGE_BYTES)
+    page = host.create_page(2)
+    host.map_page(base, page)
+    view = host.tensor(base, PAGE_BYTES, torch.uint8)
+    view[:4096].fill_(0xAB)
+    fd = host.export_page(page)
+    result = run_child(
+        f"""
+        import torch
+        from kvdaemon.cuda_vmm import HostBackend
+        b = HostBackend(page_size_bytes={PAGE_BYTES})
+        b.start()
+        page = b.import_page({fd}, 2)
+        base = b.reserve({PAGE_BYTES})
+        b.map_page(base, page)
+        v = b.tensor(base, {PAGE_BYTES}, torch.uint8)
+        assert int(v[:4096].min()) == 0xAB and int(v[:4096].max()) == 0xAB, "parent bytes"
+        v[4096:8192].fill_(0x5C)
+        b.close()
+        """,
+        pass_fds=(fd,),
+    )
+    os.close(fd)
+    assert result.returncode == 0, result.stderr
+    assert int(view[4096:8192].min()) == 0x5C and int(view[4096:8192].max()) == 0x5C
+    host.unmap(base, PAGE_BYTES)
+
+
+def test_touching_an_unmapped_page_kills_with_sigsegv() -> None:
+    result = run_child(
+        f"""
+        import torch
+        from kvdaemon.cuda_vmm import HostBackend
+        b = HostBackend(num_pages=1, page_size_bytes={PAGE_BYTES})
+        b.start()
+        base = b.reserve({PAGE_BYTES})
+        page = b.create_page(0)
+        b.map_page(base, page)
+        view = b.tensor(base, {PAGE_BYTES}, torch.uint8)
+        view.fill_(1)
+        b.unmap(base, {PAGE_BYTES})
+        print("unmapped", flush=True)
+        view.fill_(2)
+        print("survived", flush=True)
+        """
+    )
+    assert "unmapped" in result.stdout
+    assert "survived" not in result.stdout
+    assert result.returncode == -signal.SIGSEGV
+
+
+def test_import_dedupes_the_pool_file(host: HostBackend) -> None:
+    importer = make_host(num_pages=0)
+    first = importer.import_page(host.export_page(host.create_page(0)), 0)
+    second = importer.import_page(host.export_page(host.create_page(1)), 1)
+    assert first.handle == second.handle
+    assert (first.offset_bytes, second.offset_bytes) == (0, PAGE_BYTES)
+    importer.close()
+
+
+def test_close_unmaps_and_frees_everything() -> None:
+    backend = make_host(num_pages=2)
+    base = backend.reserve(2 * PAGE_BYTES)
+    backend.map_page(base, backend.create_page(0))
+    fd = backend.pool_fd
+    backend.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    with pytest.raises(BackendError, match="not started"):
+        backend.reserve(PAGE_BYTES)
