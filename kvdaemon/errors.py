@@ -67,6 +67,12 @@ class Conflict(KVDaemonError):
     code = "CONFLICT"
 
 
+class StaleRevision(KVDaemonError):
+    """A revisioned request is older than the state it would change."""
+
+    code = "STALE"
+
+
 class VersionMismatch(KVDaemonError):
     """Client and daemon speak different protocol versions."""
 
@@ -83,6 +89,14 @@ class ConfigError(KVDaemonError):
     """A configuration value (flag, env variable, file) is invalid."""
 
     code = "CONFIG"
+
+
+class LifecycleError(KVDaemonError):
+    """Starting or stopping a daemon process failed: it exited early, or did not
+    accept clients or exit within the timeout. The message carries the reason
+    (for a failed start, the tail of the daemon's log)."""
+
+    code = "LIFECYCLE"
 
 
 class BackendError(KVDaemonError):
@@ -112,9 +126,11 @@ _BY_CODE: dict[str, type[KVDaemonError]] = {
         OverLimit,
         Asleep,
         Conflict,
+        StaleRevision,
         VersionMismatch,
         DaemonUnreachable,
         ConfigError,
+        LifecycleError,
         BackendError,
     )
 }

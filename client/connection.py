@@ -1,0 +1,182 @@
+"""``KVClient``: the engine's control connection to a kvdaemon.
+
+A DEALER socket speaks the msgpack protocol of ``kvdaemon.protocol``; each call
+sends one request and waits at most ``timeout_s`` for its reply, raising
+``DaemonUnreachable`` when nothing answers (and then starting a fresh socket,
+so a late reply can never be taken for the next one). Notices the daemon sends
+on its own (``shutdown``) are recorded as they arrive. All calls are
+serialised by one lock, so a background thread may share the client.
+
+The socket is opened on the first request, not in the constructor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from kvdaemon.client.lease import Lease
+from kvdaemon.client.spec import KVSpec
+from kvdaemon.errors import DaemonUnreachable
+from kvdaemon.paths import DaemonPaths, default_dir
+from kvdaemon.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, decode, request, result_of
+
+
+class KVClient:
+    """Control connection to the daemon at ``dir`` (default ``$KVDAEMON_DIR`` or /tmp/kvdaemon-$UID)."""
+
+    def __init__(self, dir: str | Path | None = None, timeout_s: float = 5.0) -> None:  # noqa: A002
+        self.dir = Path(dir) if dir is not None else default_dir()
+        self.paths = DaemonPaths(self.dir)
+        self.timeout_s = timeout_s
+        self.daemon_info: dict[str, Any] | None = None
+        self.notices: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._backend: Any = None
+
+    # -- transport -------------------------------------------------------------
+
+    def _unreachable(self) -> DaemonUnreachable:
+        return DaemonUnreachable(
+            f"no kvdaemon running at {self.dir} — start it with `kvdaemon start`"
+        )
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            if not self.paths.control_socket.exists():
+                raise self._unreachable()
+            if self._ctx is None:
+                self._ctx = zmq.Context()
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sock.connect(self.paths.control_endpoint)
+            self._sock = sock
+        return self._sock
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def call(self, op: str, args: dict[str, Any] | None = None) -> Any:
+        """Send one request and return its result; raise the error the daemon replied with."""
+        with self._lock:
+            if self.daemon_info is None and op != "hello":
+                self._hello_locked()
+            return self._call_locked(op, args or {})
+
+    def _call_locked(self, op: str, args: dict[str, Any]) -> Any:
+        sock = self._socket()
+        request_id = next(self._ids)
+        sock.send(request(request_id, op, args))
+        timeout_ms = int(self.timeout_s * 1000)
+        while True:
+            if not sock.poll(timeout_ms, zmq.POLLIN):
+                self._reset()
+                self.daemon_info = None
+                raise self._unreachable()
+            message = decode(sock.recv())
+            if "notice" in message:
+                self.notices.append(message)
+                continue
+            if message.get("id") == request_id:
+                return result_of(message)
+
+    def _hello_locked(self) -> dict[str, Any]:
+        info = self._call_locked("hello", {"version": PROTOCOL_VERSION})
+        self.daemon_info = info
+        return info
+
+    # -- ops -------------------------------------------------------------------
+
+    def hello(self) -> dict[str, Any]:
+        """Check the protocol version; return the daemon's pid, backend, page size, capacity."""
+        with self._lock:
+            return self._hello_locked()
+
+    def status(self) -> dict[str, Any]:
+        """The object of ``kvdaemon status --json``."""
+        return self.call("status")
+
+    def set_limit(
+        self,
+        name: str,
+        *,
+        max_bytes: int | None = None,
+        min_bytes: int | None = None,
+        weight: float | None = None,
+        revision: int | None = None,
+    ) -> dict[str, Any]:
+        """Change a tenant's limits. ``revision`` makes it idempotent (see the daemon)."""
+        args: dict[str, Any] = {"name": name}
+        for key, value in (
+            ("max_bytes", max_bytes), ("min_bytes", min_bytes), ("weight", weight),
+            ("revision", revision),
+        ):
+            if value is not None:
+                args[key] = value
+        return self.call("set_limit", args)
+
+    def shutdown(self) -> None:
+        """Ask the daemon to exit (it releases every page first)."""
+        self.call("shutdown")
+
+    def lease(
+        self,
+        name: str,
+        spec: KVSpec,
+        *,
+        num_virtual_pages: int,
+        max_bytes: int | None = None,
+        min_bytes: int = 0,
+        weight: float = 1.0,
+    ) -> Lease:
+        """Register a tenant and attach its handle channel; return its ``Lease``.
+
+        ``num_virtual_pages`` is how many logical pages the caller's reserved
+        ranges hold. Raises ``Conflict`` if the name is taken.
+        """
+        args: dict[str, Any] = {
+            "name": name, "spec": spec.to_wire(), "num_virtual_pages": num_virtual_pages,
+            "min_bytes": min_bytes, "weight": weight, "pid": os.getpid(),
+        }
+        if max_bytes is not None:
+            args["max_bytes"] = max_bytes
+        reply = self.call("register", args)
+        lease = Lease(self, name, reply)
+        lease.attach()
+        return lease
+
+    def backend(self) -> Any:
+        """This process's importer backend, matching the daemon's (opened once)."""
+        if self._backend is None:
+            from kvdaemon.cuda_vmm import open_backend
+
+            info = self.daemon_info or self.hello()
+            self._backend = open_backend(
+                info["backend"], page_size_bytes=info["page_size"], device=info["device"]
+            )
+        return self._backend
+
+    def close(self) -> None:
+        """Close the socket. Pools registered through this client stay usable until closed."""
+        with self._lock:
+            self._reset()
+            if self._ctx is not None:
+                self._ctx.term()
+                self._ctx = None
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()

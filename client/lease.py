@@ -1,0 +1,108 @@
+"""``Lease``: one registered tenant's grants, through its handle channel.
+
+The handle channel (AF_UNIX ``SOCK_SEQPACKET``) carries the page fds of each
+grant and is the tenant's lease: while it is open the daemon keeps the
+tenant's pages; when this process dies the kernel closes it and the daemon
+takes the pages back.
+
+``grow`` asks for logical pages over the control channel, then reads the fds of
+that grant from the handle channel and imports them through the backend.
+``shrink`` gives logical pages back; the caller unmaps them first.
+Cost: one control round trip plus one ``recvmsg`` per 200 pages.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import TYPE_CHECKING, Any
+
+from kvdaemon.cuda_vmm.backend import PhysicalPage
+from kvdaemon.errors import BadRequest, KVDaemonError, from_code
+from kvdaemon.handles import close_fds, recv_frame, send_frame
+
+if TYPE_CHECKING:
+    from kvdaemon.client.connection import KVClient
+
+
+class Lease:
+    """A tenant registered through ``KVClient.lease``."""
+
+    def __init__(self, client: KVClient, name: str, reply: dict[str, Any]) -> None:
+        self.client = client
+        self.name = name
+        self.token: str = reply["token"]
+        self.tenant_id: int = reply["tenant_id"]
+        self.page_size_bytes: int = reply["page_size"]
+        self.num_segments: int = reply["num_segments"]
+        self.backend = client.backend()
+        self._sock: socket.socket | None = None
+
+    def attach(self) -> None:
+        """Open the handle channel and bind it to this tenant."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(self.client.timeout_s)
+        try:
+            sock.connect(str(self.client.paths.handle_socket))
+            send_frame(sock, {"tenant": self.name, "token": self.token})
+            body, fds = recv_frame(sock)
+        except (OSError, ConnectionError) as exc:
+            sock.close()
+            raise self.client._unreachable() from exc
+        close_fds(fds)
+        if not body.get("ok"):
+            sock.close()
+            error = body.get("error") or {}
+            raise from_code(str(error.get("code")), str(error.get("message")))
+        self._sock = sock
+
+    def _args(self, **extra: Any) -> dict[str, Any]:
+        return {"tenant": self.name, "token": self.token, **extra}
+
+    def grow(self, logical_pages: list[int]) -> dict[int, list[PhysicalPage]]:
+        """Map nothing yet: obtain and import one page per segment for each logical page.
+
+        Returns ``{logical_page: [page of segment 0, 1, ...]}``. Raises
+        ``NoMemory``/``OverLimit``/``Asleep`` from the daemon, with nothing granted.
+        """
+        reply = self.client.call("grow", self._args(logical_pages=list(logical_pages)))
+        page_ids = [pid for _, ids in reply["pages"] for pid in ids]
+        imported = self._receive(reply["grant_id"], page_ids)
+        nseg = self.num_segments
+        return {
+            lp: imported[i * nseg : (i + 1) * nseg] for i, (lp, _) in enumerate(reply["pages"])
+        }
+
+    def _receive(self, grant_id: int, page_ids: list[int]) -> list[PhysicalPage]:
+        if self._sock is None:
+            raise KVDaemonError(f"tenant {self.name!r} is not attached")
+        pages: list[PhysicalPage] = []
+        while len(pages) < len(page_ids):
+            body, fds = recv_frame(self._sock)
+            ids = body.get("page_ids")
+            expected = page_ids[len(pages) : len(pages) + len(fds)]
+            if body.get("grant_id") != grant_id or ids != expected:
+                close_fds(fds)
+                raise BadRequest(f"handle channel out of step for grant {grant_id}")
+            for fd, page_id in zip(fds, ids):
+                pages.append(self.backend.import_page(fd, page_id))
+        return pages
+
+    def shrink(self, logical_pages: list[int]) -> int:
+        """Give logical pages back (already unmapped here); return how many went."""
+        reply = self.client.call("shrink", self._args(logical_pages=list(logical_pages)))
+        return int(reply["num_released"])
+
+    def heartbeat(self, used_bytes: int | None = None) -> dict[str, Any]:
+        """Tell the daemon we are alive and how many bytes of blocks we hold."""
+        args = self._args() if used_bytes is None else self._args(used_bytes=used_bytes)
+        return self.client.call("heartbeat", args)
+
+    def close(self) -> None:
+        """Unregister (the daemon frees our pages) and close the handle channel."""
+        if self._sock is None:
+            return
+        try:
+            self.client.call("unregister", self._args())
+        finally:
+            self._sock.close()
+            self._sock = None

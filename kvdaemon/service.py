@@ -1,0 +1,326 @@
+"""The daemon's ops: tenants, grants and limits over one page pool, without sockets.
+
+``Service.dispatch`` is the one place a request becomes a reply: it decodes,
+finds the op, runs it, and maps every ``KVDaemonError`` to its wire code. Each
+op validates all its fields before it changes anything, so a refused request
+leaves the state as it was. The server drives the service from a single
+thread; nothing here locks, except ``lock``, which the metrics thread takes to
+read a consistent snapshot.
+
+Cost: ``grow``/``shrink`` are O(pages) plus one backend call per page;
+``status`` is O(tenants).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kvdaemon import __version__
+from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
+from kvdaemon.errors import (
+    Asleep, BackendError, BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit,
+    StaleRevision, UnknownOp, UnknownTenant, VersionMismatch,
+)
+from kvdaemon.pool import Owner, PagePool
+from kvdaemon.protocol import MAX_INT, PROTOCOL_VERSION, Args, decode, reply_error, reply_ok
+from kvdaemon.tenant import Tenant, WireSpec, check_name
+
+log = logging.getLogger("kvdaemon.service")
+MAX_WEIGHT = 1e6
+
+
+class LeasePort(Protocol):
+    """What the service needs from the server's handle channel."""
+
+    def send_grant(self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int]) -> None:
+        """Queue a grant's fds to the tenant (takes ownership of the fds)."""
+
+    def drop_lease(self, tenant_id: int) -> None:
+        """Close the tenant's handle connection, if any."""
+
+
+class Service:
+    """Tenants, grants and limits of one daemon (see the module docstring)."""
+
+    def __init__(self, backend: Backend, leases: LeasePort, on_grant: Callable[[float, int], None]
+                 | None = None) -> None:
+        self.backend = backend
+        self.pool = PagePool(backend)
+        self.leases = leases
+        self.on_grant = on_grant
+        self.lock = threading.Lock()
+        self.tenants: dict[str, Tenant] = {}
+        self.by_id: dict[int, Tenant] = {}
+        self.shutdown_requested = False
+        self._next_tenant_id = 1
+        self._next_grant_id = 1
+        self._ops: dict[str, Callable[[Args, bytes], Any]] = {
+            "hello": self.op_hello, "register": self.op_register, "grow": self.op_grow,
+            "shrink": self.op_shrink, "heartbeat": self.op_heartbeat,
+            "unregister": self.op_unregister, "status": self.op_status,
+            "set_limit": self.op_set_limit, "shutdown": self.op_shutdown,
+        }
+
+    # -- dispatch --------------------------------------------------------------
+
+    def dispatch(self, routing_id: bytes, raw: bytes) -> bytes:
+        """Turn one raw request into one raw reply. Never raises for bad input."""
+        request_id: int | None = None
+        try:
+            message = decode(raw)
+            rid = message.get("id")
+            request_id = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+            op = message.get("op")
+            if not isinstance(op, str):
+                raise BadRequest("field 'op' must be a string")
+            handler = self._ops.get(op)
+            if handler is None:
+                raise UnknownOp(f"unknown op {op[:64]!r}")
+            with self.lock:
+                result = handler(Args(message.get("args")), routing_id)
+            return reply_ok(request_id, result)
+        except KVDaemonError as exc:
+            return reply_error(request_id, exc)
+        except (KeyError, ValueError, TypeError, AttributeError, AssertionError, OSError) as exc:
+            log.exception("internal error serving a request")
+            return reply_error(request_id, KVDaemonError(f"internal error: {exc!r}"))
+
+    # -- tenant lookup ---------------------------------------------------------
+
+    def _tenant(self, args: Args) -> Tenant:
+        name = args.str("tenant")
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            raise UnknownTenant(f"no tenant named {name!r}")
+        token = args.str("token", 128)
+        if not secrets.compare_digest(token, tenant.token):
+            raise Forbidden(f"wrong token for tenant {name!r}")
+        return tenant
+
+    def _named(self, args: Args) -> Tenant:
+        name = args.str("name")
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            raise UnknownTenant(f"no tenant named {name!r}")
+        return tenant
+
+    # -- ops -------------------------------------------------------------------
+
+    def op_hello(self, args: Args, _rid: bytes) -> dict[str, Any]:
+        version = args.int("version", 0, 1 << 16)
+        if version != PROTOCOL_VERSION:
+            raise VersionMismatch(
+                f"client speaks protocol {version}, this daemon speaks {PROTOCOL_VERSION}"
+            )
+        return {
+            "version": PROTOCOL_VERSION, "daemon_version": __version__, "pid": os.getpid(),
+            "backend": self.backend.name, "device": self.backend.device,
+            "page_size": self.pool.page_size_bytes, "capacity_bytes": self.pool.capacity_bytes,
+        }
+
+    def op_register(self, args: Args, routing_id: bytes) -> dict[str, Any]:
+        name = check_name(args.str("name"))
+        spec = WireSpec.parse(args.map("spec"))
+        capacity = self.pool.capacity_bytes
+        num_virtual_pages = args.int("num_virtual_pages", 1, 1 << 24)
+        max_bytes = args.opt_int("max_bytes", 0, MAX_INT)
+        max_bytes = capacity if max_bytes is None else max_bytes
+        min_bytes = args.int("min_bytes", 0, MAX_INT, default=0)
+        weight = args.float("weight", 1e-6, MAX_WEIGHT, default=1.0)
+        pid = args.int("pid", 0, 1 << 31, default=0)
+        if min_bytes > max_bytes:
+            raise BadRequest(f"min_bytes {min_bytes} exceeds max_bytes {max_bytes}")
+        if name in self.tenants:
+            raise Conflict(f"a tenant named {name!r} is already registered")
+        guaranteed = sum(t.min_bytes for t in self.tenants.values())
+        if guaranteed + min_bytes > capacity:
+            raise NoMemory(
+                f"min_bytes {min_bytes} does not fit: {guaranteed} of {capacity} already guaranteed"
+            )
+        tenant = Tenant(
+            tenant_id=self._next_tenant_id, name=name, token=secrets.token_hex(16), pid=pid,
+            spec=spec, page_size_bytes=self.pool.page_size_bytes,
+            num_virtual_pages=num_virtual_pages, max_bytes=max_bytes, min_bytes=min_bytes,
+            weight=weight, routing_id=routing_id,
+        )
+        tenant.limit_values = (max_bytes, min_bytes, weight)
+        self._next_tenant_id += 1
+        self.tenants[name] = tenant
+        self.by_id[tenant.tenant_id] = tenant
+        log.info("registered tenant %s (id %d, pid %d)", name, tenant.tenant_id, pid)
+        return {
+            "tenant_id": tenant.tenant_id, "token": tenant.token,
+            "page_size": self.pool.page_size_bytes, "num_segments": spec.num_segments,
+            "backend": self.backend.name, "max_bytes": max_bytes,
+        }
+
+    def op_grow(self, args: Args, _rid: bytes) -> dict[str, Any]:
+        started = time.perf_counter()
+        tenant = self._tenant(args)
+        wanted = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1)
+        if tenant.state != "active":
+            raise Asleep(f"tenant {tenant.name!r} is {tenant.state}; wake it first")
+        if not tenant.leased:
+            raise Conflict(f"tenant {tenant.name!r} has not attached its handle channel")
+        held = [lp for lp in wanted if lp in tenant.logical]
+        if held:
+            raise BadRequest(f"logical pages {held[:8]} are already mapped")
+        new_bytes = tenant.mapped_bytes + len(wanted) * tenant.logical_page_bytes
+        if new_bytes > tenant.max_bytes:
+            raise OverLimit(
+                f"tenant {tenant.name!r} would hold {new_bytes} bytes, over its limit of "
+                f"{tenant.max_bytes}"
+            )
+        owners = [
+            Owner(tenant.tenant_id, seg, lp) for lp in wanted for seg in range(tenant.spec.num_segments)
+        ]
+        pages = self.pool.alloc(owners)
+        fds = self._export(pages)
+        grant_id = self._next_grant_id
+        self._next_grant_id += 1
+        page_ids = [p.page_id for p in pages]
+        nseg = tenant.spec.num_segments
+        for i, lp in enumerate(wanted):
+            tenant.logical[lp] = pages[i * nseg : (i + 1) * nseg]
+        tenant.touch()
+        self.leases.send_grant(tenant.tenant_id, grant_id, page_ids, fds)
+        if self.on_grant is not None:
+            self.on_grant(time.perf_counter() - started, len(pages))
+        return {
+            "grant_id": grant_id,
+            "pages": [[lp, page_ids[i * nseg : (i + 1) * nseg]] for i, lp in enumerate(wanted)],
+        }
+
+    def _export(self, pages: list[PhysicalPage]) -> list[int]:
+        fds: list[int] = []
+        try:
+            for page in pages:
+                fds.append(self.backend.export_page(page))
+        except BackendError:
+            for fd in fds:
+                os.close(fd)
+            self.pool.free([p.page_id for p in pages])
+            raise
+        return fds
+
+    def op_shrink(self, args: Args, _rid: bytes) -> dict[str, Any]:
+        tenant = self._tenant(args)
+        wanted = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1)
+        missing = [lp for lp in wanted if lp not in tenant.logical]
+        if missing:
+            raise BadRequest(f"logical pages {missing[:8]} are not mapped for {tenant.name!r}")
+        for lp in wanted:
+            self.pool.free([p.page_id for p in tenant.logical.pop(lp)])
+        tenant.touch()
+        return {"num_released": len(wanted), "mapped_bytes": tenant.mapped_bytes}
+
+    def op_heartbeat(self, args: Args, _rid: bytes) -> dict[str, Any]:
+        tenant = self._tenant(args)
+        used = args.opt_int("used_bytes", 0, MAX_INT)
+        if used is not None and used != tenant.used_bytes:
+            tenant.used_bytes = used
+            tenant.touch()
+        return {"state": tenant.state, "max_bytes": tenant.max_bytes}
+
+    def op_unregister(self, args: Args, _rid: bytes) -> dict[str, Any]:
+        tenant = self._tenant(args)
+        num_pages = self.remove(tenant)
+        self.leases.drop_lease(tenant.tenant_id)
+        return {"num_released": num_pages}
+
+    def op_status(self, _args: Args, _rid: bytes) -> dict[str, Any]:
+        return self.status()
+
+    def op_set_limit(self, args: Args, _rid: bytes) -> dict[str, Any]:
+        tenant = self._named(args)
+        old_max, old_min, old_weight = tenant.limit_values
+        max_bytes = args.opt_int("max_bytes", 0, MAX_INT)
+        min_bytes = args.opt_int("min_bytes", 0, MAX_INT)
+        weight = args.opt_float("weight", 1e-6, MAX_WEIGHT)
+        if max_bytes is None and min_bytes is None and weight is None:
+            raise BadRequest("set_limit needs at least one of max_bytes, min_bytes, weight")
+        values = (
+            old_max if max_bytes is None else max_bytes,
+            old_min if min_bytes is None else min_bytes,
+            old_weight if weight is None else weight,
+        )
+        revision = args.opt_int("revision", 1, MAX_INT)
+        if revision is None:
+            revision = tenant.limit_revision + 1
+        if revision < tenant.limit_revision:
+            raise StaleRevision(
+                f"revision {revision} is older than {tenant.name!r}'s {tenant.limit_revision}"
+            )
+        if revision == tenant.limit_revision:
+            if values != tenant.limit_values:
+                raise Conflict(f"revision {revision} was already applied with other values")
+            return {"result": "applied", "revision": revision, "changed": False}
+        if values[1] > values[0]:
+            raise BadRequest(f"min_bytes {values[1]} exceeds max_bytes {values[0]}")
+        others = sum(t.min_bytes for t in self.tenants.values() if t is not tenant)
+        if others + values[1] > self.pool.capacity_bytes:
+            raise NoMemory(f"min_bytes {values[1]} does not fit next to {others} guaranteed")
+        tenant.max_bytes, tenant.min_bytes, tenant.weight = values
+        tenant.limit_values = values
+        tenant.limit_revision = revision
+        log.info("limits of %s now max=%d min=%d weight=%g (rev %d)", tenant.name, *values, revision)
+        return {"result": "applied", "revision": revision, "changed": True}
+
+    def op_shutdown(self, _args: Args, _rid: bytes) -> dict[str, Any]:
+        self.shutdown_requested = True
+        return {}
+
+    # -- lease events (from the server) ----------------------------------------
+
+    def attach(self, name: str, token: str, pid: int) -> Tenant:
+        """Bind a handle connection from ``pid`` to a tenant as its lease."""
+        tenant = self.tenants.get(name)
+        if tenant is None:
+            raise UnknownTenant(f"no tenant named {name!r}")
+        if not secrets.compare_digest(token, tenant.token):
+            raise Forbidden(f"wrong token for tenant {name!r}")
+        if tenant.leased:
+            raise Conflict(f"tenant {name!r} already has a handle channel")
+        tenant.leased = True
+        tenant.pid = pid
+        return tenant
+
+    def remove(self, tenant: Tenant) -> int:
+        """Forget ``tenant`` and free every page it holds; return the pages freed."""
+        num_pages = 0
+        for pages in tenant.logical.values():
+            self.pool.free([p.page_id for p in pages])
+            num_pages += len(pages)
+        tenant.logical.clear()
+        del self.tenants[tenant.name]
+        del self.by_id[tenant.tenant_id]
+        log.info("removed tenant %s, %d pages back", tenant.name, num_pages)
+        return num_pages
+
+    def status(self) -> dict[str, Any]:
+        """The object of ``status --json`` (DESIGN.md §13)."""
+        return {
+            "backend": self.backend.name,
+            "page_size": self.pool.page_size_bytes,
+            "capacity_bytes": self.pool.capacity_bytes,
+            "free_bytes": self.pool.free_bytes,
+            "tenants": [t.status() for t in self.tenants.values()],
+        }
+
+    def check_invariants(self) -> None:
+        """Assert DESIGN.md §4 invariants 1-3 over the pool and every tenant."""
+        self.pool.check()
+        mapped = 0
+        for tenant in self.tenants.values():
+            for lp, pages in tenant.logical.items():
+                assert len(pages) == tenant.spec.num_segments
+                for seg, page in enumerate(pages):
+                    assert self.pool.owner(page.page_id) == Owner(tenant.tenant_id, seg, lp)
+            mapped += tenant.mapped_bytes
+        assert mapped + self.pool.free_bytes == self.pool.capacity_bytes, "bytes lost"
