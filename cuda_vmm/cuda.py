@@ -80,6 +80,7 @@ class CudaBackend:
         self._granularity = 0
         self._book = AddressBook(page_size_bytes)
         self._created: dict[int, Any] = {}
+        self._imported: dict[int, Any] = {}  # id(handle) -> handle, released at close()
 
     @property
     def granularity_bytes(self) -> int:
@@ -103,9 +104,17 @@ class CudaBackend:
             return
         drv = load_driver()
         self._drv = drv
+        try:
+            self._open_device(drv)
+        except BackendError:
+            if self._ctx is not None:
+                self.close()
+            self._drv = None
+            raise
+
+    def _open_device(self, drv: Any) -> None:
         num_devices = self._check(drv.cuDeviceGetCount(), "cuDeviceGetCount")
         if not 0 <= self.device < num_devices:
-            self._drv = None
             raise BackendError(f"CUDA device {self.device} does not exist ({num_devices} found)")
         dev = self._check(drv.cuDeviceGet(self.device), "cuDeviceGet")
         self._ctx = self._check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
@@ -132,7 +141,6 @@ class CudaBackend:
             )
         )
         if self.page_size_bytes <= 0 or self.page_size_bytes % self._granularity:
-            self.close()
             raise BackendError(
                 f"page size {self.page_size_bytes} must be a positive multiple of the "
                 f"device granularity {self._granularity}"
@@ -145,12 +153,14 @@ class CudaBackend:
             for addr in self._book.mapped_in(start):
                 self.unmap(addr, self.page_size_bytes)
             self.free_range(start)
-        for handle in self._created.values():
+        for handle in [*self._created.values(), *self._imported.values()]:
             self._drv.cuMemRelease(handle)
         self._created.clear()
+        self._imported.clear()
         dev = self._check(self._drv.cuDeviceGet(self.device), "cuDeviceGet")
         self._drv.cuDevicePrimaryCtxRelease(dev)
         self._drv = None
+        self._ctx = None
 
     def reserve(self, size_bytes: int) -> int:
         self._book.check_size(size_bytes)
@@ -181,6 +191,7 @@ class CudaBackend:
         drv = self._driver()
         if self._created.get(page.page_id) is page.handle:
             del self._created[page.page_id]
+        self._imported.pop(id(page.handle), None)
         self._check(drv.cuMemRelease(page.handle), "cuMemRelease")
 
     def export_page(self, page: PhysicalPage) -> int:
@@ -200,6 +211,7 @@ class CudaBackend:
             )
         finally:
             os.close(fd)
+        self._imported[id(handle)] = handle
         return PhysicalPage(page_id, handle, 0)
 
     def map_page(self, addr: int, page: PhysicalPage) -> None:

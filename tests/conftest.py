@@ -1,0 +1,73 @@
+"""Factories shared by every test package: a daemon in a thread, small specs."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvdaemon.client import KVClient, KVSpec
+from kvdaemon.config import DaemonConfig
+from kvdaemon.server import Daemon
+from kvdaemon.sizes import parse_size
+
+MiB = 1024 * 1024
+PAGE_BYTES = 2 * MiB
+
+
+def small_spec(num_layers: int = 1) -> KVSpec:
+    """A KV spec whose logical page costs ``2 * num_layers`` physical pages."""
+    return KVSpec(num_layers=num_layers, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
+
+
+def short_dir() -> Path:
+    """A fresh directory with a short path (AF_UNIX paths are limited to 107 bytes)."""
+    return Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))
+
+
+@dataclass
+class RunningDaemon:
+    """A daemon serving from a background thread of the test process."""
+
+    daemon: Daemon
+    thread: threading.Thread
+    dir: Path
+
+    def client(self, timeout_s: float = 5.0) -> KVClient:
+        return KVClient(self.dir, timeout_s=timeout_s)
+
+    def check_invariants(self) -> None:
+        service = self.daemon.service
+        assert service is not None
+        with service.lock:
+            service.check_invariants()
+
+
+@contextmanager
+def running_daemon(capacity: str = "64MiB", **config: object) -> Iterator[RunningDaemon]:
+    """Start a host-backend daemon in a thread; stop it and remove its dir afterwards."""
+    root = short_dir()
+    cfg = DaemonConfig(dir=root, backend="host", capacity=parse_size(capacity), **config)
+    daemon = Daemon(cfg)
+    daemon.start()
+    thread = threading.Thread(target=daemon.serve, name="kvdaemon-test", daemon=True)
+    thread.start()
+    try:
+        yield RunningDaemon(daemon, thread, root)
+    finally:
+        daemon.stop()
+        thread.join(10)
+        shutil.rmtree(root, ignore_errors=True)
+    assert not thread.is_alive(), "daemon thread did not stop"
+
+
+@pytest.fixture
+def kvd() -> Iterator[RunningDaemon]:
+    with running_daemon() as running:
+        yield running

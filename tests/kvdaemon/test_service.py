@@ -1,0 +1,231 @@
+"""The daemon's ops, driven through ``Service.dispatch`` with raw msgpack bytes."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+
+from kvdaemon.cuda_vmm import HostBackend
+from kvdaemon.protocol import PROTOCOL_VERSION, decode, encode, request
+from kvdaemon.service import Service
+
+from ..conftest import PAGE_BYTES, small_spec
+
+NUM_PAGES = 16
+
+
+class FakeLeases:
+    """Records grants (closing their fds) in place of the server's handle channel."""
+
+    def __init__(self) -> None:
+        self.grants: list[tuple[int, int, list[int]]] = []
+        self.dropped: list[int] = []
+
+    def send_grant(self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+        self.grants.append((tenant_id, grant_id, page_ids))
+
+    def drop_lease(self, tenant_id: int) -> None:
+        self.dropped.append(tenant_id)
+
+
+class Harness:
+    """A service over a 16-page host pool, with helpers that speak raw bytes."""
+
+    def __init__(self) -> None:
+        self.backend = HostBackend(num_pages=NUM_PAGES, page_size_bytes=PAGE_BYTES)
+        self.backend.start()
+        self.leases = FakeLeases()
+        self.service = Service(self.backend, self.leases)
+        self._next_id = 0
+
+    def raw(self, payload: bytes, routing_id: bytes = b"c1") -> dict[str, Any]:
+        reply = decode(self.service.dispatch(routing_id, payload))
+        self.service.check_invariants()
+        return reply
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        self._next_id += 1
+        reply = self.raw(request(self._next_id, op, args))
+        assert reply["id"] == self._next_id
+        return reply
+
+    def ok(self, op: str, **args: Any) -> Any:
+        reply = self.call(op, **args)
+        assert reply["ok"], reply
+        return reply["result"]
+
+    def error(self, op: str, **args: Any) -> str:
+        reply = self.call(op, **args)
+        assert reply["ok"] is False, reply
+        return reply["error"]["code"]
+
+    def register(self, name: str = "a", leased: bool = True, **extra: Any) -> dict[str, Any]:
+        args = {"name": name, "spec": small_spec().to_wire(), "num_virtual_pages": 8, **extra}
+        result = self.ok("register", **args)
+        if leased:
+            self.service.attach(name, result["token"], pid=1234)
+        return result
+
+    def auth(self, name: str, token: str, **extra: Any) -> dict[str, Any]:
+        return {"tenant": name, "token": token, **extra}
+
+
+@pytest.fixture
+def h() -> Iterator[Harness]:
+    harness = Harness()
+    yield harness
+    harness.backend.close()
+
+
+def test_hello_checks_the_protocol_version(h: Harness) -> None:
+    info = h.ok("hello", version=PROTOCOL_VERSION)
+    assert info["backend"] == "host" and info["capacity_bytes"] == NUM_PAGES * PAGE_BYTES
+    assert h.error("hello", version=PROTOCOL_VERSION + 1) == "VERSION_MISMATCH"
+
+
+def test_grow_and_shrink_logical_pages(h: Harness) -> None:
+    reg = h.register()
+    grant = h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0, 3]))
+    assert [lp for lp, _ in grant["pages"]] == [0, 3]
+    assert all(len(ids) == 2 for _, ids in grant["pages"])  # one page per segment
+    status = h.ok("status")
+    assert status["tenants"][0]["mapped_bytes"] == 4 * PAGE_BYTES
+    assert status["free_bytes"] == (NUM_PAGES - 4) * PAGE_BYTES
+    assert h.ok("shrink", **h.auth("a", reg["token"], logical_pages=[3]))["num_released"] == 1
+    assert h.ok("status")["free_bytes"] == (NUM_PAGES - 2) * PAGE_BYTES
+
+
+def test_grow_over_limit_and_out_of_memory_change_nothing(h: Harness) -> None:
+    a = h.register("a", max_bytes=4 * PAGE_BYTES)
+    b = h.register("b")
+    assert h.error("grow", **h.auth("a", a["token"], logical_pages=[0, 1, 2])) == "OVER_LIMIT"
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=[0, 1]))
+    h.ok("grow", **h.auth("b", b["token"], logical_pages=[0, 1, 2, 3, 4]))
+    before = h.ok("status")
+    assert h.error("grow", **h.auth("b", b["token"], logical_pages=[5, 6])) == "NO_MEMORY"
+    after = h.ok("status")
+    assert after["free_bytes"] == before["free_bytes"] == 2 * PAGE_BYTES
+
+
+def test_names_tokens_and_ownership(h: Harness) -> None:
+    a = h.register("a")
+    b = h.register("b")
+    assert h.error("register", name="a", spec=small_spec().to_wire(), num_virtual_pages=1) == "CONFLICT"
+    assert h.error("grow", **h.auth("a", b["token"], logical_pages=[0])) == "FORBIDDEN"
+    assert h.error("grow", **h.auth("zed", a["token"], logical_pages=[0])) == "UNKNOWN_TENANT"
+    h.ok("grow", **h.auth("b", b["token"], logical_pages=[0]))
+    assert h.error("shrink", **h.auth("a", a["token"], logical_pages=[0])) == "BAD_REQUEST"
+    assert h.error("shrink", **h.auth("a", b["token"], logical_pages=[0])) == "FORBIDDEN"
+    assert h.error("grow", **h.auth("b", b["token"], logical_pages=[0])) == "BAD_REQUEST"
+
+
+def test_grow_needs_an_attached_lease(h: Harness) -> None:
+    reg = h.register("a", leased=False)
+    assert h.error("grow", **h.auth("a", reg["token"], logical_pages=[0])) == "CONFLICT"
+
+
+def test_unregister_frees_everything(h: Harness) -> None:
+    reg = h.register("a")
+    h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0, 1]))
+    assert h.ok("unregister", **h.auth("a", reg["token"]))["num_released"] == 4
+    assert h.ok("status") == {**h.ok("status"), "free_bytes": NUM_PAGES * PAGE_BYTES, "tenants": []}
+    assert h.leases.dropped == [reg["tenant_id"]]
+
+
+def test_min_bytes_guarantees_must_fit(h: Harness) -> None:
+    h.register("a", min_bytes=12 * PAGE_BYTES)
+    code = h.error(
+        "register", name="b", spec=small_spec().to_wire(), num_virtual_pages=4,
+        min_bytes=8 * PAGE_BYTES,
+    )
+    assert code == "NO_MEMORY"
+    assert h.error("set_limit", name="a", min_bytes=8 * PAGE_BYTES, max_bytes=PAGE_BYTES) == "BAD_REQUEST"
+
+
+def test_set_limit_revisions(h: Harness) -> None:
+    reg = h.register("a")
+    assert h.ok("set_limit", name="a", max_bytes=8 * PAGE_BYTES, revision=5)["revision"] == 5
+    # the same revision with the same values: applied again, nothing changes
+    again = h.ok("set_limit", name="a", max_bytes=8 * PAGE_BYTES, revision=5)
+    assert again == {"result": "applied", "revision": 5, "changed": False}
+    assert h.error("set_limit", name="a", max_bytes=4 * PAGE_BYTES, revision=5) == "CONFLICT"
+    assert h.error("set_limit", name="a", max_bytes=2 * PAGE_BYTES, revision=4) == "STALE"
+    assert h.ok("status")["tenants"][0]["max_bytes"] == 8 * PAGE_BYTES
+    # without a revision: the next one
+    assert h.ok("set_limit", name="a", weight=2.5)["revision"] == 6
+    row = h.ok("status")["tenants"][0]
+    assert (row["max_bytes"], row["weight"]) == (8 * PAGE_BYTES, 2.5)
+    # the new limit binds grows at once
+    assert h.error("grow", **h.auth("a", reg["token"], logical_pages=[0, 1, 2, 3, 4])) == "OVER_LIMIT"
+    assert h.error("set_limit", name="nobody", max_bytes=1) == "UNKNOWN_TENANT"
+    assert h.error("set_limit", name="a") == "BAD_REQUEST"
+
+
+GARBAGE: list[bytes] = [
+    b"",
+    b"\xc1",  # never-used msgpack byte
+    b"\x92\x01\x02",  # an array, not a map
+    encode("hello"),
+    encode({"id": 1}),
+    encode({"id": 1, "op": 5}),
+    encode({"id": "x", "op": "status", "args": []}),
+    encode({"id": 1, "op": "nope", "args": {}}),
+    encode({"id": 1, "op": "register", "args": {"name": 5}}),
+    encode({"id": 1, "op": "register", "args": {"name": "a", "spec": "big"}}),
+    encode({"id": 1, "op": "register", "args": {"name": "../etc", "spec": {}}}),
+    encode({"id": 1, "op": "hello", "args": {"version": True}}),
+    encode({"id": 1, "op": "set_limit", "args": {"name": "a", "max_bytes": -1}}),
+    encode({"id": 1, "op": "set_limit", "args": {"name": "a", "weight": float("nan")}}),
+    encode({1: 2}),
+    msgpack.packb({"id": 1, "op": "status", "args": {"x": "y" * 5000}}),
+    msgpack.packb({"id": 1, "op": "status", "args": {"x": list(range(100000))}}),
+]
+
+
+@pytest.mark.parametrize("payload", GARBAGE)
+def test_garbage_gets_an_error_and_changes_nothing(h: Harness, payload: bytes) -> None:
+    reg = h.register("a")
+    h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0]))
+    before = h.ok("status")
+    reply = h.raw(payload)
+    assert reply["ok"] is False
+    assert reply["error"]["code"] in {"BAD_REQUEST", "UNKNOWN_OP", "UNKNOWN_TENANT"}
+    after = h.ok("status")
+    for row in before["tenants"] + after["tenants"]:
+        row.pop("idle_seconds")
+    assert after == before
+
+
+@pytest.mark.parametrize(
+    "pages, code",
+    [
+        ([-1], "BAD_REQUEST"),
+        ([8], "BAD_REQUEST"),  # past the tenant's virtual pages
+        ([2**64 - 1], "BAD_REQUEST"),
+        ([1, 1], "BAD_REQUEST"),
+        ("0", "BAD_REQUEST"),
+        ([True], "BAD_REQUEST"),
+        (list(range(70000)), "BAD_REQUEST"),
+    ],
+)
+def test_bad_page_lists(h: Harness, pages: object, code: str) -> None:
+    reg = h.register("a")
+    reply = h.raw(encode({"id": 9, "op": "grow", "args": h.auth("a", reg["token"], logical_pages=pages)}))
+    assert reply["ok"] is False and reply["error"]["code"] == code
+    assert h.ok("status")["free_bytes"] == NUM_PAGES * PAGE_BYTES
+
+
+def test_random_bytes_never_break_the_service(h: Harness) -> None:
+    rng = random.Random(1234)
+    reg = h.register("a")
+    for _ in range(500):
+        payload = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        assert h.raw(payload)["ok"] is False
+    h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0]))
