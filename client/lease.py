@@ -78,13 +78,17 @@ class Lease:
         pages: list[PhysicalPage] = []
         while len(pages) < len(page_ids):
             body, fds = recv_frame(self._sock)
-            ids = body.get("page_ids")
-            expected = page_ids[len(pages) : len(pages) + len(fds)]
-            if body.get("grant_id") != grant_id or ids != expected:
+            ids, fd_index = body.get("page_ids"), body.get("fd_index")
+            if (
+                body.get("grant_id") != grant_id
+                or not isinstance(ids, list)
+                or not ids
+                or ids != page_ids[len(pages) : len(pages) + len(ids)]
+                or not isinstance(fd_index, list)
+            ):
                 close_fds(fds)
                 raise BadRequest(f"handle channel out of step for grant {grant_id}")
-            for fd, page_id in zip(fds, ids):
-                pages.append(self.backend.import_page(fd, page_id))
+            pages.extend(self.backend.import_pages(fds, ids, fd_index))
         return pages
 
     def shrink(self, logical_pages: list[int]) -> int:

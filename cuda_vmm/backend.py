@@ -23,7 +23,7 @@ is O(1) per page; no call scans a range.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -31,9 +31,8 @@ if TYPE_CHECKING:
 DEFAULT_PAGE_SIZE_BYTES = 2 * 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class PhysicalPage:
-    """One physical page as this process sees it.
+class PhysicalPage(NamedTuple):
+    """One physical page as this process sees it (a tuple: cheap to make by the thousand).
 
     ``page_id`` is the page's index in the creating pool. ``handle`` is the
     backend's own object (host: the fd of the pool file; cuda: a
@@ -98,6 +97,20 @@ class Backend(Protocol):
 
     def import_page(self, fd: int, page_id: int) -> PhysicalPage:
         """Turn an exported fd into a page of this process. Takes ownership of fd."""
+        ...
+
+    def export_pages(self, pages: list[PhysicalPage]) -> tuple[list[int], list[int]]:
+        """Fds for ``pages`` and, per page, the index of the fd that carries it.
+
+        Pages behind one handle (host: the pool file) share one fd, so a grant
+        of many pages costs one fd on the host backend and one per page on cuda.
+        """
+        ...
+
+    def import_pages(
+        self, fds: list[int], page_ids: list[int], fd_index: list[int]
+    ) -> list[PhysicalPage]:
+        """The inverse of ``export_pages`` in another process. Takes ownership of fds."""
         ...
 
     def map_page(self, addr: int, page: PhysicalPage) -> None:

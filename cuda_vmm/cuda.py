@@ -202,6 +202,36 @@ class CudaBackend:
         )
         return int(fd)
 
+    def export_pages(self, pages: list[PhysicalPage]) -> tuple[list[int], list[int]]:
+        fds: list[int] = []
+        try:
+            for page in pages:
+                fds.append(self.export_page(page))
+        except BackendError:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds, list(range(len(fds)))
+
+    def import_pages(
+        self, fds: list[int], page_ids: list[int], fd_index: list[int]
+    ) -> list[PhysicalPage]:
+        if fd_index != list(range(len(fds))) or len(page_ids) != len(fds):
+            for fd in fds:
+                os.close(fd)
+            raise BackendError("the cuda backend carries exactly one fd per page, in order")
+        pages: list[PhysicalPage] = []
+        for i, (fd, page_id) in enumerate(zip(fds, page_ids)):
+            try:
+                pages.append(self.import_page(fd, page_id))
+            except BackendError:
+                for rest in fds[i + 1 :]:
+                    os.close(rest)
+                for page in pages:
+                    self.release_page(page)
+                raise
+        return pages
+
     def import_page(self, fd: int, page_id: int) -> PhysicalPage:
         drv = self._driver()
         kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR

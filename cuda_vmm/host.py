@@ -179,23 +179,53 @@ class HostBackend:
             raise BackendError(f"page {page.page_id} was not created here; cannot export it")
         return os.dup(self.pool_fd)
 
+    def export_pages(self, pages: list[PhysicalPage]) -> tuple[list[int], list[int]]:
+        for page in pages:
+            if page.handle != self.pool_fd or page.page_id not in self._created:
+                raise BackendError(f"page {page.page_id} was not created here; cannot export it")
+        return [os.dup(self.pool_fd)], [0] * len(pages)
+
     def import_page(self, fd: int, page_id: int) -> PhysicalPage:
+        return self.import_pages([fd], [page_id], [0])[0]
+
+    def import_pages(
+        self, fds: list[int], page_ids: list[int], fd_index: list[int]
+    ) -> list[PhysicalPage]:
         self._lib()
+        files: list[tuple[int, int]] = []
+        try:
+            for fd in fds:
+                files.append(self._adopt(fd))
+        except BackendError:
+            for fd in fds[len(files) + 1 :]:
+                os.close(fd)
+            raise
+        if len(fd_index) != len(page_ids):
+            raise BackendError("import needs one fd index per page")
+        pages = []
+        for page_id, index in zip(page_ids, fd_index):
+            if not 0 <= index < len(files):
+                raise BackendError(f"fd index {index} is outside the {len(files)} fds received")
+            pool_fd, size = files[index]
+            offset = page_id * self.page_size_bytes if isinstance(page_id, int) else -1
+            if offset < 0 or offset + self.page_size_bytes > size:
+                raise BackendError(f"page {page_id!r} is outside the exported pool of {size} bytes")
+            pages.append(PhysicalPage(page_id, pool_fd, offset))
+        return pages
+
+    def _adopt(self, fd: int) -> tuple[int, int]:
+        """Keep one fd per distinct pool file: ``(our fd for that file, its size)``; closes dups."""
         try:
             st = os.fstat(fd)
         except OSError as exc:
             raise BackendError(f"cannot import fd {fd}: {exc.strerror}", "EBADF") from exc
-        offset = page_id * self.page_size_bytes if isinstance(page_id, int) else -1
-        if offset < 0 or offset + self.page_size_bytes > st.st_size:
-            os.close(fd)
-            raise BackendError(f"page {page_id!r} is outside the exported pool of {st.st_size} bytes")
         key = (st.st_dev, st.st_ino)
         pool_fd = self._imported_fds.get(key)
         if pool_fd is None:
             self._imported_fds[key] = pool_fd = fd
         else:
             os.close(fd)
-        return PhysicalPage(page_id, pool_fd, offset)
+        return pool_fd, st.st_size
 
     def map_page(self, addr: int, page: PhysicalPage) -> None:
         self._book.mark_mapped(addr, page)

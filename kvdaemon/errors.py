@@ -85,6 +85,12 @@ class DaemonUnreachable(KVDaemonError):
     code = "UNREACHABLE"
 
 
+class PoolExhausted(KVDaemonError):
+    """A KV pool cannot hand out the blocks asked for; nothing was allocated."""
+
+    code = "POOL_EXHAUSTED"
+
+
 class ConfigError(KVDaemonError):
     """A configuration value (flag, env variable, file) is invalid."""
 

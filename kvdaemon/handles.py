@@ -89,12 +89,12 @@ class Outbox:
         """Queue one frame without fds."""
         self._frames.append((encode(body), []))
 
-    def push_grant(self, grant_id: int, page_ids: list[int], fds: list[int]) -> None:
-        """Queue the fds of one grant, ``MAX_FDS_PER_FRAME`` per frame, in page order."""
-        for start in range(0, len(fds), MAX_FDS_PER_FRAME):
-            end = start + MAX_FDS_PER_FRAME
-            body = {"grant_id": grant_id, "page_ids": page_ids[start:end]}
-            self._frames.append((encode(body), fds[start:end]))
+    def push_grant(
+        self, grant_id: int, page_ids: list[int], fds: list[int], fd_index: list[int]
+    ) -> None:
+        """Queue one frame of a grant: pages, their fds, and which fd carries each page."""
+        body = {"grant_id": grant_id, "page_ids": page_ids, "fd_index": fd_index}
+        self._frames.append((encode(body), fds))
 
     def pending(self) -> bool:
         return bool(self._frames)

@@ -15,14 +15,13 @@ Cost: ``alloc`` and ``free`` are O(1) per page plus one backend create/release.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.errors import BackendError, NoMemory
 
 
-@dataclass(frozen=True, slots=True)
-class Owner:
+class Owner(NamedTuple):
     """Who holds a page: a tenant's segment at one logical page."""
 
     tenant_id: int

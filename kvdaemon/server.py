@@ -270,9 +270,12 @@ class Daemon:
 
     # -- LeasePort (called by the service) -------------------------------------
 
-    def send_grant(self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int]) -> None:
+    def send_grant(
+        self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int],
+        fd_index: list[int],
+    ) -> None:
         conn = self._leases[tenant_id]
-        conn.outbox.push_grant(grant_id, page_ids, fds)
+        conn.outbox.push_grant(grant_id, page_ids, fds, fd_index)
         self._flush(conn)
 
     def drop_lease(self, tenant_id: int) -> None:

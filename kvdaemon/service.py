@@ -27,6 +27,7 @@ from kvdaemon.errors import (
     Asleep, BackendError, BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit,
     StaleRevision, UnknownOp, UnknownTenant, VersionMismatch,
 )
+from kvdaemon.handles import MAX_FDS_PER_FRAME
 from kvdaemon.pool import Owner, PagePool
 from kvdaemon.protocol import MAX_INT, PROTOCOL_VERSION, Args, decode, reply_error, reply_ok
 from kvdaemon.tenant import Tenant, WireSpec, check_name
@@ -38,8 +39,11 @@ MAX_WEIGHT = 1e6
 class LeasePort(Protocol):
     """What the service needs from the server's handle channel."""
 
-    def send_grant(self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int]) -> None:
-        """Queue a grant's fds to the tenant (takes ownership of the fds)."""
+    def send_grant(
+        self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int],
+        fd_index: list[int],
+    ) -> None:
+        """Queue one frame of a grant to the tenant (takes ownership of the fds)."""
 
     def drop_lease(self, tenant_id: int) -> None:
         """Close the tenant's handle connection, if any."""
@@ -181,7 +185,7 @@ class Service:
             Owner(tenant.tenant_id, seg, lp) for lp in wanted for seg in range(tenant.spec.num_segments)
         ]
         pages = self.pool.alloc(owners)
-        fds = self._export(pages)
+        frames = self._export(pages)
         grant_id = self._next_grant_id
         self._next_grant_id += 1
         page_ids = [p.page_id for p in pages]
@@ -189,7 +193,9 @@ class Service:
         for i, lp in enumerate(wanted):
             tenant.logical[lp] = pages[i * nseg : (i + 1) * nseg]
         tenant.touch()
-        self.leases.send_grant(tenant.tenant_id, grant_id, page_ids, fds)
+        for start, fds, fd_index in frames:
+            chunk = page_ids[start : start + len(fd_index)]
+            self.leases.send_grant(tenant.tenant_id, grant_id, chunk, fds, fd_index)
         if self.on_grant is not None:
             self.on_grant(time.perf_counter() - started, len(pages))
         return {
@@ -197,17 +203,24 @@ class Service:
             "pages": [[lp, page_ids[i * nseg : (i + 1) * nseg]] for i, lp in enumerate(wanted)],
         }
 
-    def _export(self, pages: list[PhysicalPage]) -> list[int]:
-        fds: list[int] = []
+    def _export(self, pages: list[PhysicalPage]) -> list[tuple[int, list[int], list[int]]]:
+        """Export ``pages`` in frames of at most ``MAX_FDS_PER_FRAME`` pages.
+
+        Returns ``(first page index, fds, fd index per page)`` per frame. On a
+        backend error the pages go back to the pool and no fd is left open.
+        """
+        frames: list[tuple[int, list[int], list[int]]] = []
         try:
-            for page in pages:
-                fds.append(self.backend.export_page(page))
+            for start in range(0, len(pages), MAX_FDS_PER_FRAME):
+                fds, fd_index = self.backend.export_pages(pages[start : start + MAX_FDS_PER_FRAME])
+                frames.append((start, fds, fd_index))
         except BackendError:
-            for fd in fds:
-                os.close(fd)
+            for _, fds, _ in frames:
+                for fd in fds:
+                    os.close(fd)
             self.pool.free([p.page_id for p in pages])
             raise
-        return fds
+        return frames
 
     def op_shrink(self, args: Args, _rid: bytes) -> dict[str, Any]:
         tenant = self._tenant(args)

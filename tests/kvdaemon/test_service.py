@@ -26,7 +26,10 @@ class FakeLeases:
         self.grants: list[tuple[int, int, list[int]]] = []
         self.dropped: list[int] = []
 
-    def send_grant(self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int]) -> None:
+    def send_grant(
+        self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int],
+        fd_index: list[int],
+    ) -> None:
         for fd in fds:
             os.close(fd)
         self.grants.append((tenant_id, grant_id, page_ids))

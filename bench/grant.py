@@ -1,0 +1,176 @@
+"""Grant cost through the daemon against mapping the same pages in-process.
+
+1. A 1 GiB grow: a tenant with 16 layers (32 segments) asks the daemon for 16
+   logical pages (512 pages of 2 MiB): the request, the daemon creating and
+   exporting the pages, the fds crossing the handle channel, the imports, and
+   the client mapping every page into its segments. Baseline, same run: the
+   same 512 pages created and mapped in this process with the backend alone.
+   Target: ≤ 2× the baseline.
+2. One-page grant round trip: a tenant with one segment grows by one page
+   (request, fd, import, map), p50 and p99 over many grants. Target: p50 ≤ 200 µs.
+
+The daemon runs as a real separate process (``kvdaemon start --foreground``)
+on the host backend.  Run: ``python bench/grant.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from report import median_us, percentile_us, save, verdict  # noqa: E402
+
+from kvdaemon.client import KVClient, KVSpec, Lease  # noqa: E402
+from kvdaemon.cuda_vmm import HostBackend  # noqa: E402
+from kvdaemon.errors import DaemonUnreachable  # noqa: E402
+
+GiB = 1 << 30
+PAGE_BYTES = 2 << 20
+GROW_TARGET = 2.0
+P50_TARGET_US = 200.0
+
+
+def start_daemon(root: Path, capacity: str) -> subprocess.Popen[bytes]:
+    """Run a foreground daemon in a child process; return once it answers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvdaemon", "start", "--foreground", "--dir", str(root),
+         "--backend", "host", "--capacity", capacity],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            KVClient(root, timeout_s=0.5).hello()
+            return proc
+        except DaemonUnreachable:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("the daemon did not start within 30 s")
+
+
+class MappedTenant:
+    """A lease plus one reserved range per segment, mapping what it is granted."""
+
+    def __init__(self, lease: Lease, num_virtual_pages: int) -> None:
+        self.lease = lease
+        self.backend = lease.backend
+        span = num_virtual_pages * PAGE_BYTES
+        self.bases = [self.backend.reserve(span) for _ in range(lease.num_segments)]
+        self.held: dict[int, list] = {}
+
+    def grow(self, logical_pages: list[int]) -> None:
+        for lp, pages in self.lease.grow(logical_pages).items():
+            for base, page in zip(self.bases, pages):
+                self.backend.map_page(base + lp * PAGE_BYTES, page)
+            self.held[lp] = pages
+
+    def shrink_all(self) -> None:
+        for lp, pages in self.held.items():
+            for base, page in zip(self.bases, pages):
+                self.backend.unmap(base + lp * PAGE_BYTES, PAGE_BYTES)
+                self.backend.release_page(page)
+        self.lease.shrink(list(self.held))
+        self.held.clear()
+
+
+def single_segment_lease(client: KVClient, name: str, num_virtual_pages: int) -> Lease:
+    """A tenant with one segment, so that one logical page is one physical page."""
+    wire = KVSpec(num_layers=1, num_kv_heads=8, head_dim=128).to_wire()
+    wire["num_segments"] = 1
+    reply = client.call(
+        "register",
+        {"name": name, "spec": wire, "num_virtual_pages": num_virtual_pages, "pid": os.getpid()},
+    )
+    lease = Lease(client, name, reply)
+    lease.attach()
+    return lease
+
+
+def in_process_grow(num_pages: int) -> float:
+    """Seconds to create and map ``num_pages`` pages with a backend in this process."""
+    backend = HostBackend(num_pages=num_pages, page_size_bytes=PAGE_BYTES)
+    backend.start()
+    base = backend.reserve(num_pages * PAGE_BYTES)
+    t0 = time.perf_counter()
+    for i in range(num_pages):
+        backend.map_page(base + i * PAGE_BYTES, backend.create_page(i))
+    elapsed = time.perf_counter() - t0
+    backend.close()
+    return elapsed
+
+
+def daemon_grow(client: KVClient, name: str) -> float:
+    """Seconds for a 1 GiB grow through the daemon, mapped in this process."""
+    spec = KVSpec(num_layers=16, num_kv_heads=8, head_dim=128)
+    tenant = MappedTenant(client.lease(name, spec, num_virtual_pages=16), 16)
+    t0 = time.perf_counter()
+    tenant.grow(list(range(16)))
+    elapsed = time.perf_counter() - t0
+    tenant.shrink_all()
+    tenant.lease.close()
+    return elapsed
+
+
+def one_page_grants(client: KVClient, num_grants: int) -> list[float]:
+    """Seconds per one-page grow (request, fd, import, map), ``num_grants`` times."""
+    tenant = MappedTenant(single_segment_lease(client, "latency", 1), 1)
+    samples = []
+    for _ in range(num_grants):
+        t0 = time.perf_counter()
+        tenant.grow([0])
+        samples.append(time.perf_counter() - t0)
+        tenant.shrink_all()
+    tenant.lease.close()
+    return samples
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7, help="1 GiB grows per side")
+    parser.add_argument("--grants", type=int, default=2000, help="one-page grants")
+    args = parser.parse_args()
+
+    root = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
+    proc = start_daemon(root, "1100MiB")
+    client = KVClient(root)
+    try:
+        ours, base = [], []
+        for r in range(args.rounds):
+            base.append(in_process_grow(GiB // PAGE_BYTES))
+            ours.append(daemon_grow(client, f"grow-{r}"))
+        latencies = one_page_grants(client, args.grants)
+        client.shutdown()
+    finally:
+        client.close()
+        proc.wait(30)
+        shutil.rmtree(root, ignore_errors=True)
+
+    ours_ms, base_ms = median_us(ours) / 1e3, median_us(base) / 1e3
+    ratio = ours_ms / base_ms
+    p50, p99 = percentile_us(latencies, 50), percentile_us(latencies, 99)
+    print(f"1 GiB grow through the daemon:   {ours_ms:8.2f} ms  ({GiB // PAGE_BYTES} pages)")
+    print(f"1 GiB create+map in-process:     {base_ms:8.2f} ms  (baseline, same run)")
+    print(f"ratio: {ratio:.2f}x   target <= {GROW_TARGET}x   {verdict(ratio, GROW_TARGET)}")
+    print(f"one-page grant round trip: p50 {p50:7.1f} us   p99 {p99:7.1f} us   "
+          f"target p50 <= {P50_TARGET_US:.0f} us   {verdict(p50, P50_TARGET_US)}")
+    path = save("grant", {
+        "grow_bytes": GiB, "rounds": args.rounds,
+        "daemon_grow_ms": round(ours_ms, 3), "in_process_grow_ms": round(base_ms, 3),
+        "ratio": round(ratio, 3), "target_ratio": GROW_TARGET,
+        "one_page_p50_us": round(p50, 1), "one_page_p99_us": round(p99, 1),
+        "grants": args.grants, "target_p50_us": P50_TARGET_US,
+    })
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
