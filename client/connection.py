@@ -21,8 +21,9 @@ from typing import Any
 import zmq
 
 from kvdaemon.client.lease import Lease
+from kvdaemon.client.pool import KVPool
 from kvdaemon.client.spec import KVSpec
-from kvdaemon.errors import DaemonUnreachable
+from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError
 from kvdaemon.paths import DaemonPaths, default_dir
 from kvdaemon.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, decode, request, result_of
 
@@ -38,7 +39,6 @@ class KVClient:
         self.notices: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
-        self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._backend: Any = None
 
@@ -53,9 +53,9 @@ class KVClient:
         if self._sock is None:
             if not self.paths.control_socket.exists():
                 raise self._unreachable()
-            if self._ctx is None:
-                self._ctx = zmq.Context()
-            sock = self._ctx.socket(zmq.DEALER)
+            # The process-wide context: never terminated here, so closing or
+            # collecting a client can never block on another client's sockets.
+            sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             sock.connect(self.paths.control_endpoint)
@@ -130,6 +130,42 @@ class KVClient:
         """Ask the daemon to exit (it releases every page first)."""
         self.call("shutdown")
 
+    def register(
+        self,
+        name: str,
+        spec: KVSpec,
+        max_bytes: int | None = None,
+        min_bytes: int = 0,
+        weight: float = 1.0,
+        *,
+        virtual_bytes: int | None = None,
+        num_spare_pages: int = 2,
+        num_prefetch_pages: int = 1,
+    ) -> KVPool:
+        """Register a tenant and return its started ``KVPool``.
+
+        ``virtual_bytes`` (default: the daemon's capacity) is the KV capacity
+        the pool's views span, over all segments; nothing is mapped until
+        ``alloc``. Raises ``Conflict`` if the name is taken.
+        """
+        info = self.daemon_info or self.hello()
+        page = int(info["page_size"])
+        total = int(info["capacity_bytes"]) if virtual_bytes is None else virtual_bytes
+        if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
+            raise BadRequest(f"virtual_bytes must be a positive number of bytes, got {total!r}")
+        num_virtual_pages = max(1, total // (spec.num_segments * page))
+        lease = self.lease(
+            name, spec, num_virtual_pages=num_virtual_pages, max_bytes=max_bytes,
+            min_bytes=min_bytes, weight=weight,
+        )
+        pool = KVPool(lease, spec, num_virtual_pages, num_spare_pages, num_prefetch_pages)
+        try:
+            pool.start()
+        except KVDaemonError:
+            lease.close()
+            raise
+        return pool
+
     def lease(
         self,
         name: str,
@@ -171,9 +207,6 @@ class KVClient:
         """Close the socket. Pools registered through this client stay usable until closed."""
         with self._lock:
             self._reset()
-            if self._ctx is not None:
-                self._ctx.term()
-                self._ctx = None
 
     def __enter__(self) -> KVClient:
         return self

@@ -5,15 +5,23 @@ grant and is the tenant's lease: while it is open the daemon keeps the
 tenant's pages; when this process dies the kernel closes it and the daemon
 takes the pages back.
 
-``grow`` asks for logical pages over the control channel, then reads the fds of
+``grow`` asks for logical pages over the control channel, then takes the fds of
 that grant from the handle channel and imports them through the backend.
 ``shrink`` gives logical pages back; the caller unmaps them first.
+
+One reader thread owns the handle channel once attached: grant frames go to
+a queue that ``grow`` waits on, and notices the daemon sends on its own
+(``reclaim``) go to ``on_notice``, which must not block. The reader never
+takes a lock, so a ``grow`` waiting for its frames cannot deadlock with it.
 Cost: one control round trip plus one ``recvmsg`` per 200 pages.
 """
 
 from __future__ import annotations
 
+import queue
 import socket
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvdaemon.cuda_vmm.backend import PhysicalPage
@@ -35,7 +43,11 @@ class Lease:
         self.page_size_bytes: int = reply["page_size"]
         self.num_segments: int = reply["num_segments"]
         self.backend = client.backend()
+        self.on_notice: Callable[[dict[str, Any]], None] | None = None
+        self.lost = threading.Event()  # set when the handle channel closes under us
         self._sock: socket.socket | None = None
+        self._frames: queue.Queue[tuple[dict[str, Any], list[int]] | None] = queue.Queue()
+        self._reader: threading.Thread | None = None
 
     def attach(self) -> None:
         """Open the handle channel and bind it to this tenant."""
@@ -53,7 +65,29 @@ class Lease:
             sock.close()
             error = body.get("error") or {}
             raise from_code(str(error.get("code")), str(error.get("message")))
+        sock.settimeout(None)
         self._sock = sock
+        self._reader = threading.Thread(
+            target=self._read_loop, name=f"kvdaemon-lease-{self.name}", daemon=True
+        )
+        self._reader.start()
+
+    def _read_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            try:
+                body, fds = recv_frame(sock)
+            except (OSError, ConnectionError, KVDaemonError):
+                break
+            if "notice" in body:
+                close_fds(fds)
+                if self.on_notice is not None:
+                    self.on_notice(body)
+            else:
+                self._frames.put((body, fds))
+        self.lost.set()
+        self._frames.put(None)
 
     def _args(self, **extra: Any) -> dict[str, Any]:
         return {"tenant": self.name, "token": self.token, **extra}
@@ -77,7 +111,14 @@ class Lease:
             raise KVDaemonError(f"tenant {self.name!r} is not attached")
         pages: list[PhysicalPage] = []
         while len(pages) < len(page_ids):
-            body, fds = recv_frame(self._sock)
+            try:
+                frame = self._frames.get(timeout=self.client.timeout_s)
+            except queue.Empty:
+                frame = None
+            if frame is None:
+                self._frames.put(None)  # keep the end visible to later calls
+                raise self.client._unreachable()
+            body, fds = frame
             ids, fd_index = body.get("page_ids"), body.get("fd_index")
             if (
                 body.get("grant_id") != grant_id
@@ -106,7 +147,11 @@ class Lease:
         if self._sock is None:
             return
         try:
-            self.client.call("unregister", self._args())
+            if not self.lost.is_set():
+                self.client.call("unregister", self._args())
         finally:
+            self._sock.shutdown(socket.SHUT_RDWR)
+            if self._reader is not None:
+                self._reader.join(5)
             self._sock.close()
             self._sock = None

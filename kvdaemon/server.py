@@ -278,6 +278,12 @@ class Daemon:
         conn.outbox.push_grant(grant_id, page_ids, fds, fd_index)
         self._flush(conn)
 
+    def send_notice(self, tenant_id: int, body: dict) -> None:
+        conn = self._leases.get(tenant_id)
+        if conn is not None:
+            conn.outbox.push(body)
+            self._flush(conn)
+
     def drop_lease(self, tenant_id: int) -> None:
         conn = self._leases.pop(tenant_id, None)
         if conn is not None:

@@ -48,6 +48,9 @@ class LeasePort(Protocol):
     def drop_lease(self, tenant_id: int) -> None:
         """Close the tenant's handle connection, if any."""
 
+    def send_notice(self, tenant_id: int, body: dict[str, Any]) -> None:
+        """Queue a notice (e.g. ``reclaim``) to the tenant over its handle connection."""
+
 
 class Service:
     """Tenants, grants and limits of one daemon (see the module docstring)."""
@@ -282,8 +285,18 @@ class Service:
         tenant.max_bytes, tenant.min_bytes, tenant.weight = values
         tenant.limit_values = values
         tenant.limit_revision = revision
+        self._ask_back_excess(tenant)
         log.info("limits of %s now max=%d min=%d weight=%g (rev %d)", tenant.name, *values, revision)
         return {"result": "applied", "revision": revision, "changed": True}
+
+    def _ask_back_excess(self, tenant: Tenant) -> None:
+        """Ask a tenant over its limit to return the logical pages above it."""
+        excess = tenant.mapped_bytes - tenant.max_bytes
+        if excess > 0 and tenant.leased:
+            num_pages = -(-excess // tenant.logical_page_bytes)
+            self.leases.send_notice(
+                tenant.tenant_id, {"notice": "reclaim", "tenant": tenant.name, "num_pages": num_pages}
+            )
 
     def op_shutdown(self, _args: Args, _rid: bytes) -> dict[str, Any]:
         self.shutdown_requested = True

@@ -25,6 +25,7 @@ class FakeLeases:
     def __init__(self) -> None:
         self.grants: list[tuple[int, int, list[int]]] = []
         self.dropped: list[int] = []
+        self.notices: list[tuple[int, dict[str, Any]]] = []
 
     def send_grant(
         self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int],
@@ -36,6 +37,9 @@ class FakeLeases:
 
     def drop_lease(self, tenant_id: int) -> None:
         self.dropped.append(tenant_id)
+
+    def send_notice(self, tenant_id: int, body: dict[str, Any]) -> None:
+        self.notices.append((tenant_id, body))
 
 
 class Harness:
@@ -168,6 +172,16 @@ def test_set_limit_revisions(h: Harness) -> None:
     # the new limit binds grows at once
     assert h.error("grow", **h.auth("a", reg["token"], logical_pages=[0, 1, 2, 3, 4])) == "OVER_LIMIT"
     assert h.error("set_limit", name="nobody", max_bytes=1) == "UNKNOWN_TENANT"
+    assert h.leases.notices == []
+
+
+def test_lowering_a_limit_below_mapped_asks_for_pages_back(h: Harness) -> None:
+    reg = h.register("a")
+    h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0, 1, 2]))  # 6 pages
+    h.ok("set_limit", name="a", max_bytes=3 * PAGE_BYTES)
+    assert h.leases.notices == [
+        (reg["tenant_id"], {"notice": "reclaim", "tenant": "a", "num_pages": 2})
+    ]
     assert h.error("set_limit", name="a") == "BAD_REQUEST"
 
 

@@ -1,0 +1,225 @@
+"""Page-aware block allocator: which blocks are free, on which mapped logical pages.
+
+Blocks are laid out contiguously over a segment: block b covers bytes
+``[b * block_bytes, (b + 1) * block_bytes)``. Logical page p covers
+``[p * page_bytes, (p + 1) * page_bytes)``. A block *belongs* to the page that
+holds its first byte; when ``block_bytes`` does not divide ``page_bytes`` the
+last block of a page may run into the next page (it *straddles*), and is
+usable only while both pages are mapped.
+
+Invariants (``check`` asserts them):
+
+- a block is on a free list iff it is not live and every page it touches is mapped;
+- ``use[p]`` is the number of live blocks touching page p; a page with
+  ``use == 0`` is *spare* and may be unmapped;
+- a block is handed out at most once until freed (``live`` marks it).
+
+Allocation takes blocks from the fullest mapped page that has free blocks
+(spare pages last), so free space gathers in whole pages that can be given
+back. Cost: ``alloc(n)`` is O(n) list slicing plus, when the current page runs
+dry, a scan of the pages with free blocks; ``free(ids)`` is O(len(ids)).
+No Python object is created per block.
+"""
+
+from __future__ import annotations
+
+from kvdaemon.errors import BadRequest, PoolExhausted
+
+
+class BlockAllocator:
+    """Free lists per logical page over ``num_pages`` pages (see the module docstring)."""
+
+    def __init__(self, num_pages: int, page_bytes: int, block_bytes: int) -> None:
+        if block_bytes <= 0 or page_bytes <= 0:
+            raise BadRequest("block and page sizes must be positive")
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self.block_bytes = block_bytes
+        self.num_blocks = num_pages * page_bytes // block_bytes
+        self.aligned = page_bytes % block_bytes == 0
+        self.blocks_per_page = max(1, page_bytes // block_bytes)
+        self._mapped = bytearray(num_pages)
+        self._live = bytearray(self.num_blocks)
+        self._use = [0] * num_pages
+        self._free: list[list[int]] = [[] for _ in range(num_pages)]
+        self._with_free: set[int] = set()  # mapped pages whose free list is not empty
+        self._spare: set[int] = set()  # mapped pages with use == 0
+        self._cursor = -1
+        self.num_free = 0
+        self.num_live = 0
+
+    # -- geometry --------------------------------------------------------------
+
+    def first_block(self, page: int) -> int:
+        """The first block whose first byte lies in ``page`` (== num_blocks past the end)."""
+        return min(self.num_blocks, -(-page * self.page_bytes // self.block_bytes))
+
+    def page_of(self, block_id: int) -> int:
+        """The logical page holding the first byte of ``block_id``."""
+        return block_id * self.block_bytes // self.page_bytes
+
+    def _straddler(self, page: int) -> int:
+        """The block of ``page`` that runs into ``page + 1``, or -1."""
+        last = self.first_block(page + 1) - 1
+        if last < self.first_block(page) or (last + 1) * self.block_bytes <= (page + 1) * self.page_bytes:
+            return -1
+        return last
+
+    # -- pages -----------------------------------------------------------------
+
+    def is_mapped(self, page: int) -> bool:
+        return bool(self._mapped[page])
+
+    def unmapped_pages(self, num_pages: int) -> list[int]:
+        """Up to ``num_pages`` unmapped page indices, lowest first. O(num_pages scanned)."""
+        out = []
+        for page in range(self.num_pages):
+            if not self._mapped[page]:
+                out.append(page)
+                if len(out) == num_pages:
+                    break
+        return out
+
+    def spare_pages(self) -> list[int]:
+        """Mapped pages no live block touches, highest index first."""
+        return sorted(self._spare, reverse=True)
+
+    @property
+    def num_mapped(self) -> int:
+        return sum(self._mapped)
+
+    def add_page(self, page: int) -> None:
+        """Record that ``page`` is now mapped; its usable blocks become free."""
+        if self._mapped[page]:
+            raise BadRequest(f"logical page {page} is already mapped")
+        self._mapped[page] = 1
+        self._spare.add(page)
+        first, end = self.first_block(page), self.first_block(page + 1)
+        straddler = -1 if self.aligned else self._straddler(page)
+        if straddler >= 0 and (page + 1 >= self.num_pages or not self._mapped[page + 1]):
+            end -= 1  # not usable until the next page is mapped
+        self._push(page, list(range(end - 1, first - 1, -1)))
+        if not self.aligned and page > 0 and self._mapped[page - 1]:
+            prev = self._straddler(page - 1)
+            if prev >= 0 and not self._live[prev]:
+                self._push(page - 1, [prev])
+
+    def remove_page(self, page: int) -> None:
+        """Record that ``page`` is being unmapped. It must be spare (no live block touches it)."""
+        if not self._mapped[page] or self._use[page]:
+            raise BadRequest(f"logical page {page} is not a spare mapped page")
+        self.num_free -= len(self._free[page])
+        self._free[page] = []
+        self._with_free.discard(page)
+        self._spare.discard(page)
+        self._mapped[page] = 0
+        if not self.aligned and page > 0 and self._mapped[page - 1]:
+            prev = self._straddler(page - 1)
+            if prev >= 0:
+                self._drop(page - 1, prev)
+
+    def _push(self, page: int, blocks: list[int]) -> None:
+        if blocks:
+            self._free[page].extend(blocks)
+            self._with_free.add(page)
+            self.num_free += len(blocks)
+
+    def _drop(self, page: int, block: int) -> None:
+        free = self._free[page]
+        if block in free:
+            free.remove(block)
+            self.num_free -= 1
+            if not free:
+                self._with_free.discard(page)
+
+    # -- blocks ----------------------------------------------------------------
+
+    def _pick(self) -> int:
+        """The fullest page with free blocks; spare pages only when nothing else has any."""
+        use, free = self._use, self._free
+        return min(self._with_free, key=lambda p: (use[p] == 0, len(free[p])))
+
+    def alloc(self, num_blocks: int) -> list[int]:
+        """Hand out ``num_blocks`` free blocks; ``PoolExhausted`` (nothing taken) if too few."""
+        if num_blocks > self.num_free:
+            raise PoolExhausted(f"{num_blocks} blocks wanted, {self.num_free} free and mapped")
+        out: list[int] = []
+        while len(out) < num_blocks:
+            page = self._cursor
+            if page < 0 or not self._free[page]:
+                page = self._cursor = self._pick()
+            free = self._free[page]
+            take = min(num_blocks - len(out), len(free))
+            chunk = free[len(free) - take :]
+            del free[len(free) - take :]
+            chunk.reverse()  # ascending ids: neighbours in a block table sit side by side
+            if not free:
+                self._with_free.discard(page)
+            self._mark_live(page, chunk)
+            out += chunk
+        self.num_free -= num_blocks
+        self.num_live += num_blocks
+        return out
+
+    def _mark_live(self, page: int, chunk: list[int]) -> None:
+        live = self._live
+        for block in chunk:
+            live[block] = 1
+        if self._use[page] == 0:
+            self._spare.discard(page)
+        self._use[page] += len(chunk)
+        if not self.aligned:
+            straddler = self._straddler(page)
+            if straddler >= 0 and straddler in chunk:
+                if self._use[page + 1] == 0:
+                    self._spare.discard(page + 1)
+                self._use[page + 1] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Return blocks; raises ``BadRequest`` (nothing freed) on an unknown, free or repeated id."""
+        live = self._live
+        for block in block_ids:
+            if not (isinstance(block, int) and 0 <= block < self.num_blocks and live[block]):
+                raise BadRequest(f"block {block!r} is not allocated (double free or unknown id)")
+        if len(set(block_ids)) != len(block_ids):
+            raise BadRequest("the same block appears twice in one free")
+        for block in block_ids:
+            live[block] = 0
+            page = block * self.block_bytes // self.page_bytes
+            self._free[page].append(block)
+            self._with_free.add(page)
+            self._release_use(page)
+            if not self.aligned and (block + 1) * self.block_bytes > (page + 1) * self.page_bytes:
+                self._release_use(page + 1)
+        self.num_free += len(block_ids)
+        self.num_live -= len(block_ids)
+
+    def _release_use(self, page: int) -> None:
+        self._use[page] -= 1
+        if self._use[page] == 0:
+            self._spare.add(page)
+
+    def is_live(self, block_id: int) -> bool:
+        return bool(self._live[block_id])
+
+    # -- checking --------------------------------------------------------------
+
+    def check(self) -> None:
+        """Assert the invariants. O(num_blocks); for tests."""
+        touching = [0] * self.num_pages
+        free_blocks = {b for page in range(self.num_pages) for b in self._free[page]}
+        assert len(free_blocks) == sum(len(f) for f in self._free), "a block is free twice"
+        for block in range(self.num_blocks):
+            first = self.page_of(block)
+            last = ((block + 1) * self.block_bytes - 1) // self.page_bytes
+            usable = all(self._mapped[p] for p in range(first, last + 1))
+            if self._live[block]:
+                assert usable, f"live block {block} touches an unmapped page"
+                assert block not in free_blocks
+                for p in range(first, last + 1):
+                    touching[p] += 1
+            else:
+                assert (block in free_blocks) == usable, f"free block {block} misfiled"
+        assert touching == self._use, "use counts drifted"
+        assert self._spare == {p for p in range(self.num_pages) if self._mapped[p] and not self._use[p]}
+        assert self.num_free == len(free_blocks) and self.num_live == sum(self._live)

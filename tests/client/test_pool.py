@@ -1,0 +1,195 @@
+"""KVPool against a real daemon: views, on-demand pages, spare bounds, reclaim."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted
+from kvdaemon.errors import BadRequest
+
+from ..conftest import PAGE_BYTES, RunningDaemon, running_daemon
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes  # 512
+LOGICAL_PAGE_BYTES = SPEC.num_segments * PAGE_BYTES  # 8 MiB
+
+
+@pytest.fixture
+def kvd() -> Iterator[RunningDaemon]:
+    with running_daemon("64MiB") as running:  # 8 logical pages of SPEC
+        yield running
+
+
+def register(kvd: RunningDaemon, name: str = "a", **kwargs: object) -> tuple[KVClient, KVPool]:
+    client = kvd.client()
+    return client, client.register(name, SPEC, **kwargs)
+
+
+def tenant_row(client: KVClient, name: str) -> dict:
+    return next(t for t in client.status()["tenants"] if t["name"] == name)
+
+
+def test_views_have_the_public_shape(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd)
+    assert pool.num_blocks == 8 * BLOCKS_PER_PAGE
+    for layer in range(SPEC.num_layers):
+        for cache in (pool.key_cache(layer), pool.value_cache(layer)):
+            assert cache.shape == (pool.num_blocks, 16, 2, 64) and cache.dtype == torch.float16
+    assert tenant_row(client, "a")["mapped_bytes"] == 0, "nothing is mapped before alloc"
+    pool.close()
+
+
+def test_alloc_maps_pages_on_demand_and_writes_land(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd, num_prefetch_pages=0)
+    blocks = pool.alloc(BLOCKS_PER_PAGE + 1)  # needs two logical pages
+    assert tenant_row(client, "a")["mapped_bytes"] == 2 * LOGICAL_PAGE_BYTES
+    for layer in range(SPEC.num_layers):
+        pool.key_cache(layer)[blocks] = layer + 1
+        pool.value_cache(layer)[blocks] = -(layer + 1)
+    assert float(pool.key_cache(1)[blocks[-1]].mean()) == 2.0
+    assert float(pool.value_cache(0)[blocks[0]].mean()) == -1.0
+    kvd.check_invariants()
+    pool.close()
+
+
+def test_prefetch_and_spare_bounds(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd, num_spare_pages=1, num_prefetch_pages=1)
+    blocks = pool.alloc(1)
+    assert tenant_row(client, "a")["mapped_bytes"] == 2 * LOGICAL_PAGE_BYTES  # one + prefetch
+    more = pool.alloc(3 * BLOCKS_PER_PAGE)
+    pool.free(more)
+    # only one spare page may stay mapped besides the page holding `blocks`
+    assert tenant_row(client, "a")["mapped_bytes"] == 2 * LOGICAL_PAGE_BYTES
+    pool.free(blocks)
+    assert tenant_row(client, "a")["mapped_bytes"] == LOGICAL_PAGE_BYTES
+    kvd.check_invariants()
+    pool.close()
+
+
+def test_exhaustion_leaves_nothing_behind(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd, max_bytes=3 * LOGICAL_PAGE_BYTES, num_prefetch_pages=1)
+    held = pool.alloc(2 * BLOCKS_PER_PAGE)
+    before = tenant_row(client, "a")["mapped_bytes"]
+    with pytest.raises(PoolExhausted, match="refused"):
+        pool.alloc(2 * BLOCKS_PER_PAGE)  # over the 3-page limit
+    assert pool.num_used_blocks == len(held)
+    assert tenant_row(client, "a")["mapped_bytes"] == before
+    with pytest.raises(PoolExhausted, match="virtual capacity"):
+        pool.alloc(pool.num_blocks + 1)
+    last = pool.alloc(BLOCKS_PER_PAGE)  # exactly the limit: works
+    assert len(last) == BLOCKS_PER_PAGE
+    kvd.check_invariants()
+    pool.close()
+
+
+def test_no_memory_from_the_daemon_is_pool_exhausted(kvd: RunningDaemon) -> None:
+    _, hog = register(kvd, "hog", num_prefetch_pages=0)
+    hog.alloc(7 * BLOCKS_PER_PAGE)
+    client, pool = register(kvd, "b", num_prefetch_pages=0)
+    pool.alloc(BLOCKS_PER_PAGE)  # the last free logical page
+    with pytest.raises(PoolExhausted):
+        pool.alloc(BLOCKS_PER_PAGE)
+    assert tenant_row(client, "b")["mapped_bytes"] == LOGICAL_PAGE_BYTES
+    hog.close()
+    pool.close()
+
+
+def test_double_free_and_unknown_ids(kvd: RunningDaemon) -> None:
+    _, pool = register(kvd)
+    blocks = pool.alloc(4)
+    pool.free(blocks[:1])
+    with pytest.raises(BadRequest, match="double free"):
+        pool.free(blocks[:1])
+    with pytest.raises(BadRequest):
+        pool.free([pool.num_blocks])
+    assert pool.num_used_blocks == 3
+    pool.close()
+
+
+def test_returned_page_comes_back_zeroed(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd, num_spare_pages=0, num_prefetch_pages=0)
+    blocks = pool.alloc(BLOCKS_PER_PAGE)
+    pool.key_cache(0)[blocks] = 7
+    again = pool.alloc(1)  # a second page, so the first can be emptied
+    pool.free(blocks)  # the first page is now spare past the bound: returned
+    assert tenant_row(client, "a")["mapped_bytes"] == LOGICAL_PAGE_BYTES
+    regranted = pool.alloc(BLOCKS_PER_PAGE - 1)
+    assert not set(regranted) & set(again)
+    # the daemon released the page (its memory punched out): no stale bytes
+    assert float(pool.key_cache(0)[regranted].abs().sum()) == 0.0
+    pool.close()
+
+
+def test_random_alloc_free_touches_only_mapped_blocks(kvd: RunningDaemon) -> None:
+    rng = random.Random(7)
+    client, pool = register(kvd, num_spare_pages=1)
+    live: list[int] = []
+    for step in range(200):
+        if live and rng.random() < 0.45:
+            rng.shuffle(live)
+            cut = rng.randrange(1, len(live) + 1)
+            pool.free(live[:cut])
+            live = live[cut:]
+        else:
+            try:
+                got = pool.alloc(rng.randrange(1, 600))
+            except PoolExhausted:
+                continue
+            pool.key_cache(step % 2)[got] = 1  # would SIGSEGV over an unmapped page
+            live += got
+        kvd.check_invariants()
+        pool.allocator.check()
+        assert tenant_row(client, "a")["mapped_bytes"] == pool.mapped_bytes
+    pool.close()
+    assert client.status()["free_bytes"] == 64 * 1024 * 1024
+
+
+def test_lowered_limit_makes_an_idle_pool_return_spare_pages(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd, num_spare_pages=8, num_prefetch_pages=0)
+    blocks = pool.alloc(4 * BLOCKS_PER_PAGE)
+    pool.free(blocks[BLOCKS_PER_PAGE:])  # one page in use, three spare
+    assert tenant_row(client, "a")["mapped_bytes"] == 4 * LOGICAL_PAGE_BYTES
+    client.set_limit("a", max_bytes=2 * LOGICAL_PAGE_BYTES)
+    deadline = time.monotonic() + 1.0
+    while tenant_row(client, "a")["mapped_bytes"] > 2 * LOGICAL_PAGE_BYTES:
+        assert time.monotonic() < deadline, "spare pages not returned within 1 s"
+        time.sleep(0.01)
+    assert pool.num_used_blocks == BLOCKS_PER_PAGE
+    kvd.check_invariants()
+    pool.close()
+
+
+def test_used_bytes_reach_status(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd)
+    pool.alloc(10)
+    deadline = time.monotonic() + 3.0
+    while tenant_row(client, "a")["used_bytes"] != 10 * SPEC.block_bytes * SPEC.num_segments:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    pool.close()
+
+
+def test_copy_blocks_copies_every_layer(kvd: RunningDaemon) -> None:
+    _, pool = register(kvd)
+    src, dst = pool.alloc(2), pool.alloc(2)
+    for layer in range(SPEC.num_layers):
+        pool.key_cache(layer)[src] = torch.randn(2, 16, 2, 64).half()
+        pool.value_cache(layer)[src] = torch.randn(2, 16, 2, 64).half()
+    pool.copy_blocks(src, dst)
+    for layer in range(SPEC.num_layers):
+        assert torch.equal(pool.key_cache(layer)[dst], pool.key_cache(layer)[src])
+        assert torch.equal(pool.value_cache(layer)[dst], pool.value_cache(layer)[src])
+    pool.close()
+
+
+def test_close_returns_everything(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd)
+    pool.alloc(3 * BLOCKS_PER_PAGE)
+    pool.close()
+    status = client.status()
+    assert status["tenants"] == [] and status["free_bytes"] == status["capacity_bytes"]
