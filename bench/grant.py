@@ -17,43 +17,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from daemon_proc import daemon_process  # noqa: E402
 from report import median_us, percentile_us, save, verdict  # noqa: E402
 
 from kvdaemon.client import KVClient, KVSpec, Lease  # noqa: E402
 from kvdaemon.cuda_vmm import HostBackend  # noqa: E402
-from kvdaemon.errors import DaemonUnreachable  # noqa: E402
 
 GiB = 1 << 30
 PAGE_BYTES = 2 << 20
 GROW_TARGET = 2.0
 P50_TARGET_US = 200.0
-
-
-def start_daemon(root: Path, capacity: str) -> subprocess.Popen[bytes]:
-    """Run a foreground daemon in a child process; return once it answers."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvdaemon", "start", "--foreground", "--dir", str(root),
-         "--backend", "host", "--capacity", capacity],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            KVClient(root, timeout_s=0.5).hello()
-            return proc
-        except DaemonUnreachable:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("the daemon did not start within 30 s")
 
 
 class MappedTenant:
@@ -138,20 +117,12 @@ def main() -> int:
     parser.add_argument("--grants", type=int, default=2000, help="one-page grants")
     args = parser.parse_args()
 
-    root = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
-    proc = start_daemon(root, "1100MiB")
-    client = KVClient(root)
-    try:
+    with daemon_process("1100MiB") as client:
         ours, base = [], []
         for r in range(args.rounds):
             base.append(in_process_grow(GiB // PAGE_BYTES))
             ours.append(daemon_grow(client, f"grow-{r}"))
         latencies = one_page_grants(client, args.grants)
-        client.shutdown()
-    finally:
-        client.close()
-        proc.wait(30)
-        shutil.rmtree(root, ignore_errors=True)
 
     ours_ms, base_ms = median_us(ours) / 1e3, median_us(base) / 1e3
     ratio = ours_ms / base_ms

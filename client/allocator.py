@@ -30,8 +30,8 @@ class BlockAllocator:
     """Free lists per logical page over ``num_pages`` pages (see the module docstring)."""
 
     def __init__(self, num_pages: int, page_bytes: int, block_bytes: int) -> None:
-        if block_bytes <= 0 or page_bytes <= 0:
-            raise BadRequest("block and page sizes must be positive")
+        if block_bytes <= 0 or page_bytes <= 0 or num_pages <= 0:
+            raise BadRequest("block size, page size and number of pages must be positive")
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.block_bytes = block_bytes
@@ -43,8 +43,8 @@ class BlockAllocator:
         self._use = [0] * num_pages
         self._free: list[list[int]] = [[] for _ in range(num_pages)]
         self._with_free: set[int] = set()  # mapped pages whose free list is not empty
-        self._spare: set[int] = set()  # mapped pages with use == 0
-        self._cursor = -1
+        self.spare: set[int] = set()  # mapped pages with use == 0 (read-only outside)
+        self._cursor = 0  # the page allocation continues from
         self.num_free = 0
         self.num_live = 0
 
@@ -82,7 +82,7 @@ class BlockAllocator:
 
     def spare_pages(self) -> list[int]:
         """Mapped pages no live block touches, highest index first."""
-        return sorted(self._spare, reverse=True)
+        return sorted(self.spare, reverse=True)
 
     @property
     def num_mapped(self) -> int:
@@ -93,7 +93,7 @@ class BlockAllocator:
         if self._mapped[page]:
             raise BadRequest(f"logical page {page} is already mapped")
         self._mapped[page] = 1
-        self._spare.add(page)
+        self.spare.add(page)
         first, end = self.first_block(page), self.first_block(page + 1)
         straddler = -1 if self.aligned else self._straddler(page)
         if straddler >= 0 and (page + 1 >= self.num_pages or not self._mapped[page + 1]):
@@ -111,7 +111,7 @@ class BlockAllocator:
         self.num_free -= len(self._free[page])
         self._free[page] = []
         self._with_free.discard(page)
-        self._spare.discard(page)
+        self.spare.discard(page)
         self._mapped[page] = 0
         if not self.aligned and page > 0 and self._mapped[page - 1]:
             prev = self._straddler(page - 1)
@@ -141,63 +141,122 @@ class BlockAllocator:
 
     def alloc(self, num_blocks: int) -> list[int]:
         """Hand out ``num_blocks`` free blocks; ``PoolExhausted`` (nothing taken) if too few."""
+        page = self._cursor
+        free = self._free[page]
+        if 0 < num_blocks < len(free) and self.aligned:
+            # Fast path: the current page has more than enough; it stays partly free.
+            if num_blocks == 1:
+                out = [free.pop()]
+            else:
+                out = free[-num_blocks:]
+                del free[-num_blocks:]
+                out.reverse()  # ascending ids: neighbours in a block table sit side by side
+            live = self._live
+            for block in out:
+                live[block] = 1
+            if not self._use[page]:
+                self.spare.discard(page)
+            self._use[page] += num_blocks
+            self.num_free -= num_blocks
+            self.num_live += num_blocks
+            return out
+        return self._alloc_across_pages(num_blocks)
+
+    def _alloc_across_pages(self, num_blocks: int) -> list[int]:
+        if type(num_blocks) is not int or num_blocks < 0:
+            raise BadRequest(f"cannot allocate {num_blocks!r} blocks")
         if num_blocks > self.num_free:
             raise PoolExhausted(f"{num_blocks} blocks wanted, {self.num_free} free and mapped")
         out: list[int] = []
-        while len(out) < num_blocks:
+        remaining = num_blocks
+        live, use = self._live, self._use
+        while remaining:
             page = self._cursor
-            if page < 0 or not self._free[page]:
-                page = self._cursor = self._pick()
             free = self._free[page]
-            take = min(num_blocks - len(out), len(free))
-            chunk = free[len(free) - take :]
-            del free[len(free) - take :]
-            chunk.reverse()  # ascending ids: neighbours in a block table sit side by side
+            if not free:
+                page = self._cursor = self._pick()
+                free = self._free[page]
+            take = remaining if remaining < len(free) else len(free)
+            if take == 1:
+                chunk = [free.pop()]
+            else:
+                chunk = free[-take:]
+                del free[-take:]
+                chunk.reverse()  # ascending ids: neighbours in a block table sit side by side
+            for block in chunk:
+                live[block] = 1
+            if not use[page]:
+                self.spare.discard(page)
+            use[page] += take
             if not free:
                 self._with_free.discard(page)
-            self._mark_live(page, chunk)
+            if not self.aligned:
+                self._mark_straddler(page, chunk)
             out += chunk
+            remaining -= take
         self.num_free -= num_blocks
         self.num_live += num_blocks
         return out
 
-    def _mark_live(self, page: int, chunk: list[int]) -> None:
-        live = self._live
-        for block in chunk:
-            live[block] = 1
-        if self._use[page] == 0:
-            self._spare.discard(page)
-        self._use[page] += len(chunk)
-        if not self.aligned:
-            straddler = self._straddler(page)
-            if straddler >= 0 and straddler in chunk:
-                if self._use[page + 1] == 0:
-                    self._spare.discard(page + 1)
-                self._use[page + 1] += 1
+    def _mark_straddler(self, page: int, chunk: list[int]) -> None:
+        straddler = self._straddler(page)
+        if straddler >= 0 and straddler in chunk:
+            if self._use[page + 1] == 0:
+                self.spare.discard(page + 1)
+            self._use[page + 1] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Return blocks; raises ``BadRequest`` (nothing freed) on an unknown, free or repeated id."""
+        """Return blocks; raises ``BadRequest`` (nothing freed) on an unknown, free or repeated id.
+
+        Validation marks each id (live 1 -> 2) so a repeat is caught in the same
+        pass; a refused call puts every mark back.
+        """
         live = self._live
-        for block in block_ids:
-            if not (isinstance(block, int) and 0 <= block < self.num_blocks and live[block]):
-                raise BadRequest(f"block {block!r} is not allocated (double free or unknown id)")
-        if len(set(block_ids)) != len(block_ids):
-            raise BadRequest("the same block appears twice in one free")
-        for block in block_ids:
-            live[block] = 0
-            page = block * self.block_bytes // self.page_bytes
-            self._free[page].append(block)
-            self._with_free.add(page)
-            self._release_use(page)
-            if not self.aligned and (block + 1) * self.block_bytes > (page + 1) * self.page_bytes:
-                self._release_use(page + 1)
+        num_marked = 0
+        try:
+            for block in block_ids:
+                if block < 0 or live[block] != 1:
+                    raise ValueError(block)
+                live[block] = 2
+                num_marked += 1
+        except (ValueError, IndexError, TypeError) as exc:
+            for block in block_ids[:num_marked]:
+                live[block] = 1
+            raise BadRequest(
+                f"block {block_ids[num_marked]!r} is not allocated "
+                "(double free, repeated or unknown id)"
+            ) from exc
+        if self.aligned:
+            use, free, bpp = self._use, self._free, self.blocks_per_page
+            with_free, spare = self._with_free, self.spare
+            for block in block_ids:
+                live[block] = 0
+                page = block // bpp
+                free[page].append(block)
+                with_free.add(page)
+                left = use[page] - 1
+                use[page] = left
+                if not left:
+                    spare.add(page)
+        else:
+            for block in block_ids:
+                live[block] = 0
+                page = self.page_of(block)
+                self._give_back(page, block)
+                if (block + 1) * self.block_bytes > (page + 1) * self.page_bytes:
+                    self._release_use(page + 1)
         self.num_free += len(block_ids)
         self.num_live -= len(block_ids)
+
+    def _give_back(self, page: int, block: int) -> None:
+        self._free[page].append(block)
+        self._with_free.add(page)
+        self._release_use(page)
 
     def _release_use(self, page: int) -> None:
         self._use[page] -= 1
         if self._use[page] == 0:
-            self._spare.add(page)
+            self.spare.add(page)
 
     def is_live(self, block_id: int) -> bool:
         return bool(self._live[block_id])
@@ -221,5 +280,5 @@ class BlockAllocator:
             else:
                 assert (block in free_blocks) == usable, f"free block {block} misfiled"
         assert touching == self._use, "use counts drifted"
-        assert self._spare == {p for p in range(self.num_pages) if self._mapped[p] and not self._use[p]}
+        assert self.spare == {p for p in range(self.num_pages) if self._mapped[p] and not self._use[p]}
         assert self.num_free == len(free_blocks) and self.num_live == sum(self._live)

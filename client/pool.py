@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from kvdaemon.client.allocator import BlockAllocator
 from kvdaemon.client.lease import Lease
 from kvdaemon.client.spec import KVSpec
-from kvdaemon.errors import KVDaemonError, NoMemory, OverLimit, PoolExhausted
+from kvdaemon.errors import BadRequest, KVDaemonError, NoMemory, OverLimit, PoolExhausted
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +101,8 @@ class KVPool:
             for lp in list(self._pages):
                 self._unmap(lp)
             self._pages.clear()
+            # An empty allocator: every later alloc takes the slow path and sees _closed.
+            self.allocator = BlockAllocator(self.num_virtual_pages, self.page_bytes, self.spec.block_bytes)
             self.lease.close()
             self._caches.clear()
             for base in self._bases:
@@ -154,12 +156,12 @@ class KVPool:
 
     def alloc(self, num_blocks: int) -> list[int]:
         """``num_blocks`` block ids over mapped memory; ``PoolExhausted`` with nothing taken."""
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise PoolExhausted(f"cannot allocate {num_blocks!r} blocks")
+        if type(num_blocks) is not int or num_blocks < 0:
+            raise BadRequest(f"cannot allocate {num_blocks!r} blocks")
         with self._lock:
-            if self._closed:
-                raise PoolExhausted(f"pool {self.name!r} is closed")
             if num_blocks > self.allocator.num_free:
+                if self._closed:
+                    raise PoolExhausted(f"pool {self.name!r} is closed")
                 self._grow_for(num_blocks)
             return self.allocator.alloc(num_blocks)
 
@@ -167,9 +169,9 @@ class KVPool:
         """Return blocks; spare pages past ``num_spare_pages`` go back to the daemon."""
         with self._lock:
             self.allocator.free(block_ids)
-            spare = self.allocator.spare_pages()
-            if len(spare) > self.num_spare_pages:
-                self._return(spare[: len(spare) - self.num_spare_pages])
+            extra = len(self.allocator.spare) - self.num_spare_pages
+            if extra > 0:
+                self._return(self.allocator.spare_pages()[:extra])
 
     # -- pages -----------------------------------------------------------------
 

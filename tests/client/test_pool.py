@@ -193,3 +193,13 @@ def test_close_returns_everything(kvd: RunningDaemon) -> None:
     pool.close()
     status = client.status()
     assert status["tenants"] == [] and status["free_bytes"] == status["capacity_bytes"]
+
+
+@pytest.mark.parametrize("count", [-1, 1.5, "3", True])
+def test_bad_counts_are_refused(kvd: RunningDaemon, count: object) -> None:
+    _, pool = register(kvd)
+    with pytest.raises(BadRequest, match="cannot allocate"):
+        pool.alloc(count)  # type: ignore[arg-type]
+    assert pool.num_used_blocks == 0
+    assert pool.alloc(0) == []
+    pool.close()

@@ -1,0 +1,254 @@
+"""``BlockManager``: per-sequence block tables over a ``BlockSource``, with prefix caching.
+
+A sequence of ``n`` tokens owns ``ceil(n / block_size)`` blocks; token ``i``
+lives in slot ``table[i // block_size] * block_size + i % block_size``. Every
+full block is registered in the ``PrefixCache`` as soon as it becomes full (at
+``add_sequence`` or ``append_tokens``), so the caller must write the KV of the
+tokens it adds in the same forward pass, before any other sequence reads them
+(``store_kv`` runs before attention in every layer, so one batch is enough).
+
+Invariants (the tests check them after every step):
+
+- every block this manager got from the source is exactly one of: held (ref
+  count = the number of sequences whose table lists it, >= 1) or cached and
+  evictable (ref 0); every other block is free in the source;
+- only full blocks are shared: a sequence's partial last block has ref count 1,
+  so the caller only ever writes into blocks no other sequence reads;
+- each call is all-or-nothing: when it raises, no table, ref count or source
+  allocation has changed (cached blocks a failed ``add_sequence`` matched count
+  as just used in the LRU order).
+
+Running out of blocks: when ``source.alloc(n)`` raises ``PoolExhausted`` and
+``E`` cached blocks are evictable, the manager first allocates ``d = max(0, n - E)``
+blocks directly (if that fails, even evicting everything could not help: it
+raises before evicting anything), then evicts ``n - d`` blocks (page-aware LRU,
+see ``prefix_cache``), frees them to the source and allocates ``n - d``. The
+source does not report how many blocks it has free (``f < n``), so up to ``f``
+more blocks than strictly needed may be evicted; they stay in the source's free
+list. This assumes the source can hand back blocks it was just given (``free(k)``
+then ``alloc(k)`` succeeds); if it cannot, the call still raises cleanly, but the
+evicted blocks stay evicted.
+
+Costs: ``add_sequence`` O(len(tokens)) (hashing); ``append_tokens`` O(len(tokens));
+``fork`` O(blocks of the sequence) plus one ``copy_blocks``; ``free_sequence``
+O(blocks); eviction O(1) per victim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvdaemon.client.prefix_cache import ROOT, ChainLink, PrefixCache, token_array
+from kvdaemon.errors import BadRequest, PoolExhausted
+
+
+class BlockSource(Protocol):
+    """Where blocks come from (``KVPool``). Block ``b`` lies on logical page ``b // blocks_per_page``."""
+
+    block_size: int
+    blocks_per_page: int
+
+    def alloc(self, n: int) -> list[int]:
+        """``n`` free blocks; raises PoolExhausted and allocates nothing when short."""
+        ...
+
+    def free(self, block_ids: list[int]) -> None:
+        """Return blocks; raises on a double free or an unknown id."""
+        ...
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy K and V of every layer from ``src[i]`` to ``dst[i]``."""
+        ...
+
+
+@dataclass
+class _Sequence:
+    """One sequence: its block table, token count, the tokens of its partial block, its chain."""
+
+    blocks: list[int]
+    num_tokens: int
+    tail: list[int] = field(default_factory=list)
+    chain: ChainLink = ROOT
+
+
+class BlockManager:
+    """Block tables for sequences over ``source``; see the module docstring for invariants."""
+
+    def __init__(self, source: BlockSource, salt: bytes = b"", enable_prefix_cache: bool = True) -> None:
+        if source.block_size <= 0:
+            raise BadRequest(f"block_size must be positive, got {source.block_size}")
+        self.source = source
+        self.block_size = source.block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.cache = PrefixCache(source.blocks_per_page, salt)
+        self._seqs: dict[Hashable, _Sequence] = {}
+
+    # -- accounting ------------------------------------------------------------
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def __len__(self) -> int:
+        """Number of live sequences."""
+        return len(self._seqs)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.cache.num_held
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no sequence references: reclaimable on demand."""
+        return self.cache.num_evictable
+
+    @property
+    def num_owned_blocks(self) -> int:
+        """Blocks taken from the source and not yet returned (held + evictable)."""
+        return self.cache.num_held + self.cache.num_evictable
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self._get(seq_id).num_tokens
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of the sequence's block ids, in token order."""
+        return list(self._get(seq_id).blocks)
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        """Slots of tokens ``start .. end-1`` (``block * block_size + offset``); O(end - start)."""
+        seq = self._get(seq_id)
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise BadRequest(
+                f"slot range [{start}, {end}) is outside sequence {seq_id!r} of {seq.num_tokens} tokens"
+            )
+        size, blocks = self.block_size, seq.blocks
+        return [blocks[pos // size] * size + pos % size for pos in range(start, end)]
+
+    # -- sequences -------------------------------------------------------------
+
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Allocate the prompt's blocks, reusing cached full blocks; the number of cached tokens.
+
+        At most ``(len - 1) // block_size`` blocks are reused, so at least one
+        token is left to compute and the caller writes only into fresh blocks.
+        Raises PoolExhausted (nothing changed) or BadRequest for a live ``seq_id``.
+        """
+        if seq_id in self._seqs:
+            raise BadRequest(f"sequence {seq_id!r} already exists")
+        tokens = token_array(token_ids).tolist()
+        hits, chain = self._match_prefix(tokens)
+        for block_id in hits:
+            self.cache.acquire(block_id)
+        try:
+            fresh = self._allocate(self._blocks_for(len(tokens)) - len(hits))
+        except PoolExhausted:
+            for block_id in reversed(hits):
+                self.cache.release(block_id)
+            raise
+        self.cache.adopt(fresh)
+        seq = _Sequence(blocks=hits + fresh, num_tokens=len(hits) * self.block_size, chain=chain)
+        self._seqs[seq_id] = seq
+        self._extend(seq, tokens[seq.num_tokens:])
+        return len(hits) * self.block_size
+
+    def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Add tokens to a sequence, allocating blocks as needed; PoolExhausted leaves it unchanged."""
+        seq = self._get(seq_id)
+        tokens = token_array(token_ids).tolist()
+        fresh = self._allocate(self._blocks_for(seq.num_tokens + len(tokens)) - len(seq.blocks))
+        self.cache.adopt(fresh)
+        seq.blocks.extend(fresh)
+        self._extend(seq, tokens)
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        """Drop a sequence: cached full blocks stay (evictable at ref 0), the rest go to the source.
+
+        Blocks are released last first, so a chain's tail is evicted before its head.
+        """
+        seq = self._get(seq_id)
+        del self._seqs[seq_id]
+        to_free = [block_id for block_id in reversed(seq.blocks) if self.cache.release(block_id)]
+        if to_free:
+            self.source.free(to_free)
+
+    def fork(self, src_seq_id: Hashable, new_seq_id: Hashable) -> None:
+        """A new sequence with the same tokens: full blocks shared, the partial last block copied."""
+        src = self._get(src_seq_id)
+        if new_seq_id in self._seqs:
+            raise BadRequest(f"sequence {new_seq_id!r} already exists")
+        partial = src.num_tokens % self.block_size != 0
+        shared = src.blocks[:-1] if partial else list(src.blocks)
+        fresh = self._allocate(1) if partial else []
+        if partial:
+            with ExitStack() as undo:
+                undo.callback(self.source.free, fresh)
+                self.source.copy_blocks([src.blocks[-1]], fresh)
+                undo.pop_all()
+        for block_id in shared:
+            self.cache.acquire(block_id)
+        self.cache.adopt(fresh)
+        self._seqs[new_seq_id] = _Sequence(shared + fresh, src.num_tokens, list(src.tail), src.chain)
+
+    # -- internals -------------------------------------------------------------
+
+    def _get(self, seq_id: Hashable) -> _Sequence:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise BadRequest(f"unknown sequence {seq_id!r}")
+        return seq
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _match_prefix(self, tokens: list[int]) -> tuple[list[int], ChainLink]:
+        """Cached blocks for the longest verified prefix of ``tokens``, leaving >= 1 token; no changes."""
+        hits: list[int] = []
+        chain = ROOT
+        if not self.enable_prefix_cache:
+            return hits, chain
+        size = self.block_size
+        for start in range(0, (len(tokens) - 1) // size * size, size):
+            found = self.cache.match(chain, tokens[start:start + size])
+            if found is None:
+                break
+            hits.append(found[0])
+            chain = found[1]
+        return hits, chain
+
+    def _extend(self, seq: _Sequence, tokens: list[int]) -> None:
+        """Record ``tokens`` (blocks already allocated); register each block that becomes full."""
+        size = self.block_size
+        first_full = seq.num_tokens // size
+        seq.num_tokens += len(tokens)
+        seq.tail.extend(tokens)
+        num_full = len(seq.tail) // size
+        if not num_full:
+            return
+        if self.enable_prefix_cache:
+            for i in range(num_full):
+                block_tokens = seq.tail[i * size:(i + 1) * size]
+                seq.chain = self.cache.register(seq.blocks[first_full + i], seq.chain, block_tokens)
+        del seq.tail[:num_full * size]
+
+    def _allocate(self, n: int) -> list[int]:
+        """``n`` blocks from the source, evicting cached blocks if short; all-or-nothing."""
+        if n <= 0:
+            return []
+        try:
+            return self.source.alloc(n)
+        except PoolExhausted:
+            if self.cache.num_evictable == 0:
+                raise
+        direct = max(0, n - self.cache.num_evictable)
+        held = self.source.alloc(direct) if direct else []
+        rest = n - direct
+        self.source.free(self.cache.evict(rest))
+        try:
+            return held + self.source.alloc(rest)
+        except PoolExhausted:
+            if held:
+                self.source.free(held)
+            raise
