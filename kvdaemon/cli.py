@@ -1,13 +1,191 @@
-"""The ``kvdaemon`` command line."""
+"""The ``kvdaemon`` command line (DESIGN.md §13).
+
+Exit codes: 0 ok, 1 no daemon answers at the directory, 2 usage or
+configuration error, 3 the daemon (or starting it) failed with an error,
+printed as ``error CODE: message``.
+"""
 
 from __future__ import annotations
 
-import click
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
-from kvdaemon import __version__
+import click
+from rich.console import Console
+
+from kvdaemon import __version__, lifecycle, status_view
+from kvdaemon.config import BACKENDS, LOG_LEVELS, dir_from, load_config
+from kvdaemon.errors import ConfigError, DaemonUnreachable, KVDaemonError
+from kvdaemon.sizes import SizeSpec, format_bytes, parse_size
+
+EXIT_UNREACHABLE = 1
+EXIT_USAGE = 2
+EXIT_DAEMON_ERROR = 3
+PIPE_WIDTH = 200
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class SizeParam(click.ParamType):
+    """A size option: bytes, ``512MiB``, ``2GiB``, ``40%`` (see ``kvdaemon.sizes``)."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, SizeSpec):
+            return value
+        try:
+            return parse_size(value)
+        except ConfigError as err:
+            self.fail(err.message, param, ctx)
+
+
+def _reporting_errors(command: F) -> F:
+    """Turn kvdaemon errors into a one-line message on stderr and the exit codes above."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except DaemonUnreachable as err:
+            click.echo(err.message, err=True)
+            raise click.exceptions.Exit(EXIT_UNREACHABLE) from err
+        except ConfigError as err:
+            click.echo(f"error {err.code}: {err.message}", err=True)
+            raise click.exceptions.Exit(EXIT_USAGE) from err
+        except KVDaemonError as err:
+            click.echo(f"error {err.code}: {err.message}", err=True)
+            raise click.exceptions.Exit(EXIT_DAEMON_ERROR) from err
+
+    return run  # type: ignore[return-value]
+
+
+def _dir_option(command: F) -> F:
+    return click.option(
+        "--dir",
+        "dir_flag",
+        type=click.Path(file_okay=False, path_type=Path),
+        help="Daemon directory [default: $KVDAEMON_DIR, else /tmp/kvdaemon-$UID].",
+    )(command)
+
+
+def _daemon_dir(dir_flag: Path | None) -> Path:
+    return dir_from(dir_flag, os.environ)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="kvdaemon")
 def main() -> None:
     """kvdaemon: elastic, multi-tenant KV-cache memory for LLM serving."""
+
+
+@main.command()
+@_dir_option
+@click.option("--backend", type=click.Choice(BACKENDS, case_sensitive=False),
+              help="Memory backend [default: auto: cuda where a GPU is usable, else host].")
+@click.option("--device", type=int, metavar="N", help="CUDA device index [default: 0].")
+@click.option("--capacity", metavar="SIZE",
+              help="Pool size: bytes, 40GiB, or 90% of the device (host: of RAM) [default: 50%].")
+@click.option("--page-size", metavar="SIZE", help="Physical page size [default: 2MiB].")
+@click.option("--metrics-port", type=int, metavar="PORT",
+              help="Serve Prometheus metrics on 127.0.0.1:PORT.")
+@click.option("--idle-sleep", metavar="SECONDS",
+              help="Sleep tenants idle this long (300, 300s, 5m, off).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
+              help="Logging level [default: INFO].")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="TOML file of settings (flags and KVDAEMON_* variables override it).")
+@click.option("--foreground", is_flag=True, help="Run in this process until stopped.")
+@_reporting_errors
+def start(dir_flag: Path | None, config_file: Path | None, foreground: bool,
+          **settings: Any) -> None:  # fmt: skip
+    """Start the daemon (returns once it accepts clients).
+
+    Detached by default; --foreground runs it in this process until stopped.
+    """
+    flags = {"dir": dir_flag, **settings}
+    config = load_config(flags, os.environ, config_file)
+    if foreground:
+        raise click.exceptions.Exit(lifecycle.run_foreground(config))
+    pid = lifecycle.start_detached(config)
+    with lifecycle.connect(config.dir) as client:
+        info = client.hello()
+    click.echo(
+        f"kvdaemon running at {config.dir} (pid {pid}, backend {info['backend']}, "
+        f"capacity {format_bytes(info['capacity_bytes'])})"
+    )
+
+
+@main.command()
+@_dir_option
+@_reporting_errors
+def stop(dir_flag: Path | None) -> None:
+    """Stop the daemon gracefully; returns once it has exited."""
+    root = _daemon_dir(dir_flag)
+    pid = lifecycle.stop(root)
+    click.echo(f"kvdaemon at {root} stopped (pid {pid})")
+
+
+@main.command()
+@_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status object as JSON.")
+@_reporting_errors
+def status(dir_flag: Path | None, as_json: bool) -> None:
+    """Show capacity, free memory and every tenant."""
+    root = _daemon_dir(dir_flag)
+    with lifecycle.connect(root) as client:
+        snapshot = client.status()
+    if as_json:
+        click.echo(json.dumps(snapshot, indent=2))
+        return
+    # Piped output is not cut to 80 columns: long tenant names stay greppable.
+    width = None if sys.stdout.isatty() else PIPE_WIDTH
+    status_view.render(Console(highlight=False, width=width), root, snapshot)
+
+
+@main.command()
+@click.argument("name")
+@click.option("--max", "max_size", type=SizeParam(),
+              help="Limit: bytes, 8GiB, or a percentage of the daemon's capacity.")
+@click.option("--min", "min_size", type=SizeParam(),
+              help="Guarantee: bytes, 1GiB, or a percentage of the daemon's capacity.")
+@click.option("--weight", type=click.FloatRange(min=0, min_open=True),
+              help="Share of contended memory, relative to other tenants.")
+@_dir_option
+@_reporting_errors
+def limit(name: str, max_size: SizeSpec | None, min_size: SizeSpec | None,
+          weight: float | None, dir_flag: Path | None) -> None:  # fmt: skip
+    """Change a tenant's limit, guarantee or weight.
+
+    Takes effect at once. A percentage is of the daemon's capacity.
+    """
+    if max_size is None and min_size is None and weight is None:
+        raise click.UsageError("give at least one of --max, --min, --weight")
+    root = _daemon_dir(dir_flag)
+    with lifecycle.connect(root) as client:
+        capacity_bytes = int(client.hello()["capacity_bytes"])
+        result = client.set_limit(
+            name,
+            max_bytes=None if max_size is None else max_size.resolve(capacity_bytes),
+            min_bytes=None if min_size is None else min_size.resolve(capacity_bytes),
+            weight=weight,
+        )
+        tenants = client.status()["tenants"]
+    click.echo(_limit_summary(name, result, tenants))
+
+
+def _limit_summary(name: str, result: dict[str, Any], tenants: list[dict[str, Any]]) -> str:
+    revision = result.get("revision")
+    for tenant in tenants:
+        if tenant["name"] == name:
+            cells = dict(zip(status_view.COLUMNS, status_view.tenant_row(tenant)))
+            return (
+                f"{name}: limit {cells['limit']}, min {cells['min']}, weight {cells['weight']} "
+                f"(revision {revision})"
+            )
+    return f"{name}: limits applied (revision {revision})"

@@ -1,0 +1,181 @@
+"""The daemon's Prometheus endpoint.
+
+:class:`Metrics` owns one private ``CollectorRegistry`` (never the global
+one, so several daemons or tests can live in one process) and serves it over
+HTTP on ``127.0.0.1`` only. Event metrics (grant latency, pages granted and
+shrunk, lease expiries) are updated by the daemon as they happen and cost a
+lock and an add each. Pool and tenant gauges are not stored at all: each
+scrape calls the ``snapshot`` callable (the ``status`` object of DESIGN.md
+§13) from the HTTP server's thread, so ``snapshot`` must be safe to call from
+another thread and cheap (O(tenants)).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from kvdaemon.errors import ConfigError
+
+Snapshot = Callable[[], dict[str, Any]]
+
+# Grants are expected to take from tens of microseconds (one page, host backend)
+# to about a second (a large grow on a busy GPU).
+GRANT_LATENCY_BUCKETS_S = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+
+LISTEN_ADDR = "127.0.0.1"
+SHUTDOWN_POLL_S = 0.05  # how often the server thread checks for stop(); bounds stop()'s wait
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """One thread per scrape, so a slow scraper never blocks another."""
+
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on stderr for every scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
+
+
+class _StatusCollector:
+    """Turns one ``snapshot()`` per scrape into pool and per-tenant gauges."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        # Nothing to describe up front: registering must not call snapshot().
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        status = self._snapshot()
+        yield _gauge("kvdaemon_capacity_bytes", "Bytes of device memory the pool manages.",
+                     status["capacity_bytes"])  # fmt: skip
+        yield _gauge("kvdaemon_free_bytes", "Bytes of the pool not mapped by any tenant.",
+                     status["free_bytes"])  # fmt: skip
+        yield from _tenant_gauges(status["tenants"])
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _tenant_gauges(tenants: list[dict[str, Any]]) -> Iterator[GaugeMetricFamily]:
+    mapped = GaugeMetricFamily(
+        "kvdaemon_tenant_mapped_bytes", "Bytes of pages mapped by a tenant.", labels=["tenant"]
+    )
+    used = GaugeMetricFamily(
+        "kvdaemon_tenant_used_bytes", "Bytes of blocks a tenant's engine holds.", labels=["tenant"]
+    )
+    limit = GaugeMetricFamily(
+        "kvdaemon_tenant_max_bytes",
+        "A tenant's limit in bytes (absent for a tenant without one).",
+        labels=["tenant"],
+    )
+    for tenant in tenants:
+        name = [str(tenant["name"])]
+        mapped.add_metric(name, tenant["mapped_bytes"])
+        used.add_metric(name, tenant["used_bytes"])
+        if tenant.get("max_bytes") is not None:
+            limit.add_metric(name, tenant["max_bytes"])
+    yield from (mapped, used, limit)
+
+
+class Metrics:
+    """Prometheus metrics of one daemon, served on ``127.0.0.1:port`` once started.
+
+    ``port`` 0 binds a free port (read it back from ``bound_port``). The
+    recording methods work whether or not the server is running.
+    """
+
+    def __init__(self, port: int, snapshot: Snapshot) -> None:
+        self.port = port
+        self.registry = CollectorRegistry()
+        self._collector = _StatusCollector(snapshot)
+        self._grant_latency = Histogram(
+            "kvdaemon_grant_latency_seconds",
+            "Time from a grow request to its reply, in seconds.",
+            buckets=GRANT_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._granted_pages = Counter(
+            "kvdaemon_granted_pages", "Logical pages granted to tenants.", registry=self.registry
+        )
+        self._shrunk_pages = Counter(
+            "kvdaemon_shrunk_pages", "Logical pages returned by tenants.", registry=self.registry
+        )
+        self._lease_expiries = Counter(
+            "kvdaemon_lease_expiries",
+            "Tenants whose lease ended without unregistering (process died).",
+            registry=self.registry,
+        )
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def bound_port(self) -> int | None:
+        """The port the server listens on, or ``None`` when it is not running."""
+        return None if self._server is None else self._server.server_port
+
+    def start(self) -> None:
+        """Register the status collector and serve on 127.0.0.1 from a daemon thread.
+
+        Raises ``ConfigError`` naming the port when it cannot be bound. Idempotent.
+        """
+        if self._server is not None:
+            return
+        self.registry.register(self._collector)
+        try:
+            server = make_server(
+                LISTEN_ADDR, self.port, make_wsgi_app(self.registry),
+                _ThreadingServer, handler_class=_QuietHandler,
+            )  # fmt: skip
+        except OSError as err:
+            self.registry.unregister(self._collector)
+            raise ConfigError(
+                f"cannot serve metrics on {LISTEN_ADDR}:{self.port}: {err.strerror}"
+            ) from err
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, args=(SHUTDOWN_POLL_S,), name="kvdaemon-metrics",
+            daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and close the listening socket; waits for the server thread
+        (at most about ``SHUTDOWN_POLL_S`` plus a scrape in progress). Idempotent."""
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join()
+        self.registry.unregister(self._collector)
+        self._server = None
+        self._thread = None
+
+    def observe_grant(self, seconds: float, num_pages: int) -> None:
+        """Record one grant that took ``seconds`` and gave ``num_pages`` logical pages."""
+        self._grant_latency.observe(seconds)
+        self._granted_pages.inc(num_pages)
+
+    def count_shrink(self, num_pages: int) -> None:
+        """Record ``num_pages`` logical pages returned to the pool."""
+        self._shrunk_pages.inc(num_pages)
+
+    def count_lease_expiry(self) -> None:
+        """Record one tenant whose lease ended because its process went away."""
+        self._lease_expiries.inc()

@@ -1,0 +1,141 @@
+"""Byte sizes as people write them: ``1048576``, ``512MiB``, ``2GB``, ``40%``.
+
+``parse_size`` turns text (or an int) into a :class:`SizeSpec`, which is
+either an exact byte count or a percentage of some total that is only known
+later (the device's memory, the daemon's capacity); ``SizeSpec.resolve``
+applies it. ``format_bytes`` is the inverse for display. Everything here is
+pure and O(length of the text).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+from kvdaemon.errors import ConfigError
+
+_UNIT_BYTES: dict[str, int] = {
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+_SIZE_RE = re.compile(r"^\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-z%]*)\s*$", re.IGNORECASE)
+
+_ACCEPTED = "bytes (1048576), 512MiB, 2GiB, 4KiB, 1TiB, 500MB, 2GB or a percentage (40%)"
+
+_DISPLAY_UNITS: tuple[tuple[str, int], ...] = (
+    ("TiB", 1024**4),
+    ("GiB", 1024**3),
+    ("MiB", 1024**2),
+    ("KiB", 1024),
+)
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    """An exact size (``exact_bytes``) or a share of a total (``percent``); exactly one is set.
+
+    ``str(spec)`` gives text that ``parse_size`` reads back to an equal spec,
+    so a spec can cross a command line unchanged.
+    """
+
+    exact_bytes: int | None = None
+    percent: Decimal | None = None
+
+    def __post_init__(self) -> None:
+        if (self.exact_bytes is None) == (self.percent is None):
+            raise ConfigError("a size is either a byte count or a percentage, not both or neither")
+        if self.exact_bytes is not None and self.exact_bytes < 0:
+            raise ConfigError(f"size must not be negative, got {self.exact_bytes}")
+        if self.percent is not None and not Decimal(0) <= self.percent <= Decimal(100):
+            raise ConfigError(f"percentage must be between 0% and 100%, got {self.percent}%")
+
+    @property
+    def is_percent(self) -> bool:
+        return self.percent is not None
+
+    def resolve(self, total_bytes: int) -> int:
+        """Bytes this spec means against ``total_bytes`` (a percentage rounds down)."""
+        if self.exact_bytes is not None:
+            return self.exact_bytes
+        assert self.percent is not None
+        return int(Decimal(total_bytes) * self.percent / 100)
+
+    def __str__(self) -> str:
+        if self.exact_bytes is not None:
+            return str(self.exact_bytes)
+        return f"{self.percent}%"
+
+
+def bytes_of(count: int) -> SizeSpec:
+    """An exact size of ``count`` bytes."""
+    return SizeSpec(exact_bytes=count)
+
+
+def percent_of(share: int | float | str | Decimal) -> SizeSpec:
+    """A size of ``share`` percent of whatever total it is resolved against."""
+    return SizeSpec(percent=Decimal(str(share)))
+
+
+def parse_size(text: str | int) -> SizeSpec:
+    """Parse a size; raises ``ConfigError`` naming ``text`` when it is not one.
+
+    Units are case-insensitive: ``B``, binary ``KiB MiB GiB TiB`` (powers of
+    1024), decimal ``KB MB GB TB`` (powers of 1000) and ``%``. A fractional
+    number is allowed with a unit when the result is a whole number of bytes
+    (``1.5GiB``), and with ``%``.
+    """
+    if isinstance(text, bool):
+        raise ConfigError(f"invalid size {text!r}: expected {_ACCEPTED}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"invalid size {text!r}: must not be negative")
+        return bytes_of(text)
+    if not isinstance(text, str):
+        raise ConfigError(f"invalid size {text!r}: expected {_ACCEPTED}")
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise ConfigError(f"invalid size {text!r}: expected {_ACCEPTED}")
+    return _spec_of(text, match["number"], match["unit"].lower())
+
+
+def _spec_of(text: str, number: str, unit: str) -> SizeSpec:
+    try:
+        value = Decimal(number)
+    except InvalidOperation as err:
+        raise ConfigError(f"invalid size {text!r}: {number!r} is not a number") from err
+    if unit == "%":
+        if value > 100:
+            raise ConfigError(f"invalid size {text!r}: a percentage is at most 100%")
+        return SizeSpec(percent=value)
+    if unit == "":
+        unit = "b"
+    if unit not in _UNIT_BYTES:
+        raise ConfigError(f"invalid size {text!r}: unknown unit {unit!r}; expected {_ACCEPTED}")
+    exact = value * _UNIT_BYTES[unit]
+    if exact != exact.to_integral_value():
+        raise ConfigError(f"invalid size {text!r}: not a whole number of bytes")
+    return bytes_of(int(exact))
+
+
+def format_bytes(num_bytes: int) -> str:
+    """Human-readable size in binary units: ``0 B``, ``512 B``, ``1.50 GiB``, ``512.0 MiB``.
+
+    Two decimals below 10 of a unit, one above; plain bytes are whole.
+    """
+    sign = "-" if num_bytes < 0 else ""
+    magnitude = abs(num_bytes)
+    for name, unit_bytes in _DISPLAY_UNITS:
+        if magnitude >= unit_bytes:
+            value = magnitude / unit_bytes
+            digits = 2 if value < 10 else 1
+            return f"{sign}{value:.{digits}f} {name}"
+    return f"{sign}{magnitude} B"

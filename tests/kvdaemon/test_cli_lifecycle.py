@@ -1,0 +1,347 @@
+"""The real ``kvdaemon`` command line in subprocesses: start, status, limit, stop, crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvdaemon.client import KVClient
+from kvdaemon.paths import DaemonPaths
+from tests.conftest import short_dir, small_spec
+
+MiB = 1024 * 1024
+STATUS_KEYS = {"backend", "page_size", "capacity_bytes", "free_bytes", "tenants"}
+TENANT_KEYS = {
+    "name", "pid", "state", "mapped_bytes", "used_bytes", "max_bytes", "min_bytes", "weight",
+    "idle_seconds",
+}  # fmt: skip
+HOST_FLAGS = ("--backend", "host", "--capacity", "64MiB")
+
+
+@dataclass
+class Cli:
+    """Runs ``python -m kvdaemon`` against one daemon directory; remembers daemon pids."""
+
+    dir: Path
+    pids: set[int] = field(default_factory=set)
+
+    @property
+    def paths(self) -> DaemonPaths:
+        return DaemonPaths(self.dir)
+
+    def run(self, *args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvdaemon", *args, "--dir", str(self.dir)],
+            capture_output=True, text=True, timeout=timeout_s,
+        )  # fmt: skip
+        self._remember_pid()
+        return done
+
+    def start(self, *flags: str) -> subprocess.CompletedProcess[str]:
+        return self.run("start", *(flags or HOST_FLAGS))
+
+    def started_pid(self) -> int:
+        done = self.start()
+        assert done.returncode == 0, done.stderr
+        return self.daemon_pid()
+
+    def foreground(self, *flags: str) -> subprocess.Popen[str]:
+        """``start --foreground`` as a child of the test; returns once it answers."""
+        child = subprocess.Popen(
+            [sys.executable, "-m", "kvdaemon", "start", "--foreground", "--dir", str(self.dir),
+             *(flags or HOST_FLAGS)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self.pids.add(child.pid)
+        wait_until(lambda: self.paths.handle_socket.exists() or child.poll() is not None)
+        assert child.poll() is None, child.stdout.read() if child.stdout else ""
+        return child
+
+    def daemon_pid(self) -> int:
+        return int(self.paths.pid_file.read_text())
+
+    def _remember_pid(self) -> None:
+        try:
+            self.pids.add(self.daemon_pid())
+        except (FileNotFoundError, ValueError):
+            pass
+
+    def client(self) -> KVClient:
+        return KVClient(self.dir, timeout_s=5.0)
+
+
+def wait_until(condition: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (exited, not yet reaped by its parent) is not alive."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_all(pids: set[int]) -> None:
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda pid=pid: not alive(pid))
+
+
+@pytest.fixture
+def cli() -> Iterator[Cli]:
+    runner = Cli(short_dir())
+    try:
+        yield runner
+    finally:
+        if runner.paths.control_socket.exists():
+            runner.run("stop", timeout_s=30)
+        kill_all(runner.pids)
+        shutil.rmtree(runner.dir, ignore_errors=True)
+
+
+def test_start_status_stop(cli: Cli) -> None:
+    done = cli.start()
+    assert done.returncode == 0, done.stderr
+    pid = cli.daemon_pid()
+    assert done.stdout.strip() == (
+        f"kvdaemon running at {cli.dir} (pid {pid}, backend host, capacity 64.0 MiB)"
+    )
+    assert alive(pid)
+
+    status = cli.run("status")
+    assert status.returncode == 0, status.stderr
+    assert "backend host" in status.stdout and "capacity 64.0 MiB" in status.stdout
+    assert "free 64.0 MiB" in status.stdout
+
+    stopped = cli.run("stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.strip() == f"kvdaemon at {cli.dir} stopped (pid {pid})"
+    assert not alive(pid)
+    assert not any(path.exists() for path in cli.paths.sockets())
+    assert not cli.paths.pid_file.exists()
+
+    after = cli.run("status")
+    assert after.returncode == 1
+    assert after.stderr.strip() == (
+        f"no kvdaemon running at {cli.dir} — start it with `kvdaemon start`"
+    )
+
+
+def test_dir_is_0700_and_sockets_0600(cli: Cli) -> None:
+    cli.started_pid()
+    assert stat.S_IMODE(cli.dir.stat().st_mode) == 0o700
+    for path in cli.paths.sockets():
+        info = path.stat()
+        assert stat.S_ISSOCK(info.st_mode)
+        assert stat.S_IMODE(info.st_mode) == 0o600
+    for path in (cli.paths.pid_file, cli.paths.lock_file, cli.paths.log_file):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_wider_dir_is_tightened_to_0700(cli: Cli) -> None:
+    os.chmod(cli.dir, 0o755)
+    cli.started_pid()
+    assert stat.S_IMODE(cli.dir.stat().st_mode) == 0o700
+
+
+def test_second_start_is_refused(cli: Cli) -> None:
+    pid = cli.started_pid()
+    for again in (cli.start(), cli.run("start", "--foreground", *HOST_FLAGS)):
+        assert again.returncode == 3
+        assert again.stderr.strip() == (
+            f"error CONFLICT: a kvdaemon is already running at {cli.dir} (pid {pid})"
+        )
+    assert cli.daemon_pid() == pid
+    assert cli.run("status").returncode == 0
+
+
+def test_status_json_is_the_status_object(cli: Cli) -> None:
+    cli.started_pid()
+    done = cli.run("status", "--json")
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)
+    assert set(status) == STATUS_KEYS
+    assert status == {
+        "backend": "host", "page_size": 2 * MiB, "capacity_bytes": 64 * MiB,
+        "free_bytes": 64 * MiB, "tenants": [],
+    }  # fmt: skip
+
+
+def test_status_and_limit_with_a_tenant(cli: Cli) -> None:
+    cli.started_pid()
+    client = cli.client()
+    lease = client.lease("llama-a", small_spec(), num_virtual_pages=8)
+    try:
+        lease.grow([0, 1])  # 2 logical pages x 2 segments x 2 MiB
+        limited = cli.run("limit", "llama-a", "--max", "50%", "--min", "4MiB", "--weight", "2")
+        assert limited.returncode == 0, limited.stderr
+        assert limited.stdout.strip() == (
+            "llama-a: limit 32.0 MiB, min 4.00 MiB, weight 2 (revision 1)"
+        )
+
+        status = json.loads(cli.run("status", "--json").stdout)
+        (tenant,) = status["tenants"]
+        assert TENANT_KEYS <= set(tenant)
+        assert tenant["name"] == "llama-a"
+        assert (tenant["pid"], tenant["state"]) == (os.getpid(), "active")
+        assert (tenant["mapped_bytes"], tenant["max_bytes"], tenant["min_bytes"]) == (
+            8 * MiB, 32 * MiB, 4 * MiB,
+        )  # fmt: skip
+        assert tenant["weight"] == 2
+        assert status["free_bytes"] == 56 * MiB
+
+        table = cli.run("status")
+        assert table.returncode == 0, table.stderr
+        (row,) = [line for line in table.stdout.splitlines() if "llama-a" in line]
+        assert row.split()[:5] == ["llama-a", str(os.getpid()), "active", "8.00", "MiB"]
+        assert "32.0 MiB" in row and "4.00 MiB" in row
+    finally:
+        lease.close()
+        client.close()
+
+
+def test_limit_errors(cli: Cli) -> None:
+    cli.started_pid()
+    unknown = cli.run("limit", "nobody", "--max", "8MiB")
+    assert unknown.returncode == 3
+    assert unknown.stderr.startswith("error UNKNOWN_TENANT: ")
+    assert "nobody" in unknown.stderr
+
+    nothing = cli.run("limit", "nobody")
+    assert nothing.returncode == 2
+    assert "at least one of --max, --min, --weight" in nothing.stderr
+
+    bad_size = cli.run("limit", "nobody", "--max", "eight gigs")
+    assert bad_size.returncode == 2
+    assert "'eight gigs'" in bad_size.stderr
+
+    bad_weight = cli.run("limit", "nobody", "--weight", "0")
+    assert bad_weight.returncode == 2
+
+
+def test_commands_without_a_daemon_exit_1(cli: Cli) -> None:
+    message = f"no kvdaemon running at {cli.dir} — start it with `kvdaemon start`"
+    for args in (("stop",), ("status",), ("status", "--json"), ("limit", "x", "--max", "1MiB")):
+        done = cli.run(*args)
+        assert (done.returncode, done.stderr.strip()) == (1, message), args
+
+
+def test_bad_config_exits_2_and_starts_nothing(cli: Cli) -> None:
+    done = cli.start("--backend", "host", "--capacity", "12 parsecs")
+    assert done.returncode == 2
+    assert done.stderr.startswith("error CONFIG: --capacity: invalid size '12 parsecs'")
+    assert not cli.paths.pid_file.exists()
+
+
+def test_start_after_sigkill_cleans_stale_files(cli: Cli) -> None:
+    pid = cli.started_pid()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not alive(pid))
+    assert cli.paths.pid_file.exists() and cli.paths.control_socket.exists()  # stale
+
+    down = cli.run("status")
+    assert down.returncode == 1
+
+    new_pid = cli.started_pid()
+    assert new_pid != pid
+    assert cli.run("status").returncode == 0
+    assert cli.run("stop").returncode == 0
+    assert not alive(new_pid)
+
+
+def test_sigterm_stops_gracefully(cli: Cli) -> None:
+    pid = cli.started_pid()
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not alive(pid))
+    assert not any(path.exists() for path in cli.paths.sockets())
+    assert not cli.paths.pid_file.exists()
+    log = cli.paths.log_file.read_text()
+    assert "received SIGTERM" in log and f"kvdaemon {pid} stopped" in log
+    assert cli.run("status").returncode == 1
+
+
+def test_foreground_runs_until_sigint(cli: Cli) -> None:
+    child = cli.foreground()
+    wait_until(lambda: cli.run("status").returncode == 0)
+    assert cli.daemon_pid() == child.pid
+    child.send_signal(signal.SIGINT)
+    assert child.wait(timeout=30) == 0
+    output = child.stdout.read() if child.stdout else ""
+    assert "received SIGINT" in output
+    assert not any(path.exists() for path in cli.paths.sockets())
+
+
+def test_stop_of_a_foreground_daemon(cli: Cli) -> None:
+    child = cli.foreground()
+    stopped = cli.run("stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert child.wait(timeout=5) == 0
+
+
+def test_metrics_port_serves_prometheus(cli: Cli) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = cli.start(*HOST_FLAGS, "--metrics-port", str(port))
+    assert done.returncode == 0, done.stderr
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert samples["kvdaemon_capacity_bytes"] == 64 * MiB
+    assert samples["kvdaemon_free_bytes"] == 64 * MiB
+    assert samples["kvdaemon_grant_latency_seconds_count"] == 0
+
+
+def test_failed_start_exits_3_with_the_daemons_log(cli: Cli) -> None:
+    done = cli.start("--backend", "host", "--capacity", "1000TiB")  # more than this machine has
+    assert done.returncode == 3
+    assert done.stderr.startswith("error LIFECYCLE: kvdaemon exited with status 2")
+    assert "exceeds the device" in done.stderr
+    assert cli.run("status").returncode == 1
+
+
+def test_daemon_process_does_not_load_torch(cli: Cli) -> None:
+    pid = cli.started_pid()
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "libtorch" not in maps
+
+
+def test_busy_metrics_port_fails_the_start_with_a_clear_error(cli: Cli) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = cli.start(*HOST_FLAGS, "--metrics-port", str(port))
+    assert done.returncode == 3
+    assert done.stderr.startswith("error LIFECYCLE: kvdaemon exited with status 2")
+    assert f"error CONFIG: cannot serve metrics on 127.0.0.1:{port}" in done.stderr
+    assert not any(path.exists() for path in cli.paths.sockets())
+    assert cli.run("status").returncode == 1

@@ -1,0 +1,280 @@
+"""kvdaemon.config: layering flags > env > TOML file > defaults, and validation."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvdaemon.config import KEYS, DaemonConfig, dir_from, load_config
+from kvdaemon.errors import ConfigError
+from kvdaemon.sizes import bytes_of, percent_of
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+def write_toml(tmp_path: Path, body: str) -> Path:
+    """A config file with ``body`` as its text."""
+    path = tmp_path / "kvdaemon.toml"
+    path.write_text(body)
+    return path
+
+
+def flags_from_argv(argv: list[str]) -> dict[str, str]:
+    """The ``load_config`` flags that ``start`` would build from ``argv``."""
+    by_flag = {key.flag: name for name, key in KEYS.items()}
+    return {by_flag[flag]: value for flag, value in zip(argv[::2], argv[1::2])}
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVDAEMON_DIR", raising=False)
+
+
+def test_defaults() -> None:
+    config = load_config({}, {}, None)
+    assert config == DaemonConfig(
+        dir=Path(f"/tmp/kvdaemon-{os.getuid()}"),
+        backend="auto",
+        device=0,
+        capacity=percent_of(50),
+        page_size_bytes=2 * MiB,
+        metrics_port=None,
+        idle_sleep_s=None,
+        log_level="INFO",
+    )
+
+
+def test_file_sets_every_key(tmp_path: Path) -> None:
+    file = write_toml(
+        tmp_path,
+        'dir = "/tmp/kvd-file"\nbackend = "host"\ndevice = 2\ncapacity = "1GiB"\n'
+        'page_size = "4MiB"\nmetrics_port = 9400\nidle_sleep = "5m"\nlog_level = "debug"\n',
+    )
+    config = load_config({}, {}, file)
+    assert config == DaemonConfig(
+        dir=Path("/tmp/kvd-file"), backend="host", device=2, capacity=bytes_of(GiB),
+        page_size_bytes=4 * MiB, metrics_port=9400, idle_sleep_s=300.0, log_level="DEBUG",
+    )  # fmt: skip
+
+
+def test_file_accepts_plain_numbers(tmp_path: Path) -> None:
+    file = write_toml(tmp_path, "capacity = 67108864\npage_size = 2097152\nidle_sleep = 30\n")
+    config = load_config({}, {}, file)
+    assert (config.capacity, config.page_size_bytes, config.idle_sleep_s) == (
+        bytes_of(64 * MiB), 2 * MiB, 30.0,
+    )  # fmt: skip
+
+
+def test_env_overrides_file_and_flags_override_env(tmp_path: Path) -> None:
+    file = write_toml(
+        tmp_path, 'backend = "cuda"\ndevice = 1\ncapacity = "10%"\nlog_level = "ERROR"\n'
+    )
+    env = {"KVDAEMON_DEVICE": "3", "KVDAEMON_CAPACITY": "20%", "KVDAEMON_LOG_LEVEL": "WARNING"}
+    flags = {"capacity": "30%", "backend": None}
+    config = load_config(flags, env, file)
+    assert config.backend == "cuda"  # file (the flag is unset)
+    assert config.device == 3  # env over file
+    assert config.capacity == percent_of(30)  # flag over env over file
+    assert config.log_level == "WARNING"  # env over file
+    assert config.page_size_bytes == 2 * MiB  # default
+
+
+def test_every_env_variable_is_read() -> None:
+    env = {
+        "KVDAEMON_DIR": "/tmp/kvd-env", "KVDAEMON_BACKEND": "HOST", "KVDAEMON_DEVICE": "1",
+        "KVDAEMON_CAPACITY": "256MiB", "KVDAEMON_PAGE_SIZE": "64KiB",
+        "KVDAEMON_METRICS_PORT": "9100", "KVDAEMON_IDLE_SLEEP": "90s",
+        "KVDAEMON_LOG_LEVEL": "error",
+    }  # fmt: skip
+    assert load_config({}, env, None) == DaemonConfig(
+        dir=Path("/tmp/kvd-env"), backend="host", device=1, capacity=bytes_of(256 * MiB),
+        page_size_bytes=64 * 1024, metrics_port=9100, idle_sleep_s=90.0, log_level="ERROR",
+    )  # fmt: skip
+
+
+def test_relative_dir_becomes_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert load_config({"dir": "kvd"}, {}, None).dir == tmp_path / "kvd"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("backend", "tpu"),
+        ("backend", 3),
+        ("device", "-1"),
+        ("device", "zero"),
+        ("device", "1.5"),
+        ("device", True),
+        ("capacity", "lots"),
+        ("capacity", "0"),
+        ("capacity", "0%"),
+        ("capacity", "150%"),
+        ("capacity", "-1GiB"),
+        ("page_size", "1000"),
+        ("page_size", "0"),
+        ("page_size", "50%"),
+        ("page_size", "6KiB"),
+        ("metrics_port", "0"),
+        ("metrics_port", "65536"),
+        ("metrics_port", "http"),
+        ("idle_sleep", "0"),
+        ("idle_sleep", "-5s"),
+        ("idle_sleep", "soon"),
+        ("idle_sleep", "inf"),
+        ("idle_sleep", "nan"),
+        ("log_level", "LOUD"),
+        ("dir", ""),
+        ("dir", "/tmp/" + "d" * 120),
+    ],
+)
+def test_bad_flag_raises_config_error_naming_flag_and_value(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config({key: value}, {}, None)
+    assert caught.value.code == "CONFIG"
+    assert caught.value.message.startswith(KEYS[key].flag + ":")
+    if value:
+        assert str(value) in caught.value.message or repr(value) in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("KVDAEMON_BACKEND", "gpu"),
+        ("KVDAEMON_DEVICE", "-2"),
+        ("KVDAEMON_CAPACITY", "12 parsecs"),
+        ("KVDAEMON_PAGE_SIZE", "3000"),
+        ("KVDAEMON_METRICS_PORT", "70000"),
+        ("KVDAEMON_IDLE_SLEEP", "later"),
+        ("KVDAEMON_LOG_LEVEL", "chatty"),
+        ("KVDAEMON_DIR", ""),
+    ],
+)
+def test_bad_env_raises_config_error_naming_variable(name: str, value: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config({}, {name: value}, None)
+    assert caught.value.message.startswith(name + ":")
+
+
+@pytest.mark.parametrize(
+    ("line", "key"),
+    [
+        ('backend = "metal"', "backend"),
+        ("device = -1", "device"),
+        ("device = 1.0", "device"),
+        ("capacity = true", "capacity"),
+        ("page_size = 100", "page_size"),
+        ("metrics_port = 0", "metrics_port"),
+        ("idle_sleep = -3", "idle_sleep"),
+        ("idle_sleep = false", "idle_sleep"),
+        ("log_level = 10", "log_level"),
+        ("dir = 5", "dir"),
+    ],
+)
+def test_bad_file_value_raises_config_error_naming_file_and_key(
+    tmp_path: Path, line: str, key: str
+) -> None:
+    file = write_toml(tmp_path, line + "\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config({}, {}, file)
+    assert caught.value.message.startswith(f"{file}: {key}:")
+
+
+def test_unknown_file_key_is_refused(tmp_path: Path) -> None:
+    file = write_toml(tmp_path, 'capacity = "1GiB"\ncapacty = "2GiB"\n')
+    with pytest.raises(ConfigError, match="unknown key.*capacty"):
+        load_config({}, {}, file)
+
+
+def test_invalid_toml_is_refused(tmp_path: Path) -> None:
+    file = write_toml(tmp_path, "capacity = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config({}, {}, file)
+
+
+def test_missing_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config({}, {}, tmp_path / "absent.toml")
+
+
+def test_unknown_flag_is_refused() -> None:
+    with pytest.raises(ConfigError, match="unknown setting.*colour"):
+        load_config({"colour": "blue"}, {}, None)
+
+
+def test_bad_direct_construction_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        DaemonConfig(backend="tpu")
+    with pytest.raises(ConfigError):
+        DaemonConfig(device=-1)
+    with pytest.raises(ConfigError):
+        DaemonConfig(page_size_bytes=4097)
+    with pytest.raises(ConfigError):
+        DaemonConfig(metrics_port=0)
+    with pytest.raises(ConfigError):
+        DaemonConfig(capacity=bytes_of(0))
+    with pytest.raises(ConfigError):
+        DaemonConfig(log_level="info")
+
+
+@pytest.mark.parametrize(
+    ("capacity", "total_bytes", "expected_bytes"),
+    [
+        ("64MiB", 16 * GiB, 64 * MiB),
+        ("65MiB", 16 * GiB, 64 * MiB),  # rounded down to whole 2 MiB pages
+        ("2MiB", 16 * GiB, 2 * MiB),
+        ("50%", 16 * GiB, 8 * GiB),
+        ("50%", 5 * MiB, 2 * MiB),
+        ("100%", 16 * GiB, 16 * GiB),
+    ],
+)
+def test_capacity_bytes(capacity: str, total_bytes: int, expected_bytes: int) -> None:
+    config = load_config({"capacity": capacity}, {}, None)
+    assert config.capacity_bytes(total_bytes) == expected_bytes
+
+
+@pytest.mark.parametrize(
+    ("capacity", "total_bytes", "message"),
+    [
+        ("1MiB", 16 * GiB, "less than one page"),
+        ("10%", 10 * MiB, "less than one page"),
+        ("32GiB", 16 * GiB, "exceeds the device"),
+    ],
+)
+def test_capacity_bytes_refuses_impossible_sizes(
+    capacity: str, total_bytes: int, message: str
+) -> None:
+    config = load_config({"capacity": capacity}, {}, None)
+    with pytest.raises(ConfigError, match=message):
+        config.capacity_bytes(total_bytes)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},
+        {"dir": "/tmp/kvd-argv", "backend": "host", "capacity": "12.5%", "device": "1"},
+        {"capacity": "1.5GiB", "page_size": "64KiB", "metrics_port": "9400",
+         "idle_sleep": "2.5m", "log_level": "debug"},
+    ],
+)
+def test_to_argv_round_trips(flags: dict[str, str]) -> None:
+    config = load_config(flags, {}, None)
+    assert load_config(flags_from_argv(config.to_argv()), {}, None) == config
+
+
+def test_to_argv_overrides_any_environment() -> None:
+    config = load_config({"backend": "host", "capacity": "64MiB"}, {}, None)
+    env = {"KVDAEMON_BACKEND": "cuda", "KVDAEMON_CAPACITY": "90%", "KVDAEMON_LOG_LEVEL": "ERROR"}
+    assert load_config(flags_from_argv(config.to_argv()), env, None) == config
+
+
+def test_dir_from_precedence() -> None:
+    env = {"KVDAEMON_DIR": "/tmp/kvd-env"}
+    assert dir_from(Path("/tmp/kvd-flag"), env) == Path("/tmp/kvd-flag")
+    assert dir_from(None, env) == Path("/tmp/kvd-env")
+    assert dir_from(None, {}) == Path(f"/tmp/kvdaemon-{os.getuid()}")

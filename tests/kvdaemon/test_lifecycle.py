@@ -1,0 +1,175 @@
+"""kvdaemon.lifecycle in-process: the directory, the lock, run_foreground, start failures."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import signal
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvdaemon import lifecycle
+from kvdaemon.client import KVClient
+from kvdaemon.config import DaemonConfig
+from kvdaemon.errors import Conflict, DaemonUnreachable, Forbidden, LifecycleError
+from kvdaemon.paths import DaemonPaths
+from kvdaemon.sizes import parse_size
+from tests.conftest import short_dir
+
+
+def make_config(root: Path, capacity: str = "16MiB") -> DaemonConfig:
+    return DaemonConfig(dir=root, backend="host", capacity=parse_size(capacity))
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    path = short_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def hold_lock(paths: DaemonPaths) -> int:
+    """Take the directory's lock the way a running daemon does; returns the fd to close."""
+    fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def test_prepare_dir_creates_0700_with_parents(root: Path) -> None:
+    target = root / "a" / "kvd"
+    old_umask = os.umask(0)
+    try:
+        lifecycle.prepare_dir(target)
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o700
+
+
+def test_prepare_dir_tightens_an_existing_dir(root: Path) -> None:
+    os.chmod(root, 0o777)
+    lifecycle.prepare_dir(root)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+def test_prepare_dir_refuses_a_file(root: Path) -> None:
+    target = root / "file"
+    target.write_text("")
+    with pytest.raises(Forbidden, match="not a directory"):
+        lifecycle.prepare_dir(target)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to hand a directory to another uid")
+def test_prepare_dir_refuses_another_users_dir(root: Path) -> None:
+    target = root / "theirs"
+    target.mkdir()
+    os.chmod(target, 0o777)
+    os.chown(target, 12345, 12345)
+    with pytest.raises(Forbidden, match="belongs to uid 12345") as caught:
+        lifecycle.prepare_dir(target)
+    assert caught.value.code == "FORBIDDEN"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o777  # left alone
+
+
+def test_running_pid_reads_the_lock(root: Path) -> None:
+    paths = DaemonPaths(root)
+    assert lifecycle.running_pid(paths) is None  # no lock file
+    paths.pid_file.write_text("4242\n")
+    paths.lock_file.touch()
+    assert lifecycle.running_pid(paths) is None  # stale pid file, nobody holds the lock
+    fd = hold_lock(paths)
+    try:
+        assert lifecycle.running_pid(paths) == 4242
+        paths.pid_file.unlink()
+        assert lifecycle.running_pid(paths) == 0  # held, pid not written yet
+    finally:
+        os.close(fd)
+    assert lifecycle.running_pid(paths) is None
+
+
+def test_connect_fails_fast_without_a_daemon(root: Path) -> None:
+    DaemonPaths(root).control_socket.touch()  # a dead daemon's leftover
+    started = time.monotonic()
+    with pytest.raises(DaemonUnreachable) as caught:
+        lifecycle.connect(root)
+    assert time.monotonic() - started < 1.0
+    assert caught.value.message == (
+        f"no kvdaemon running at {root} — start it with `kvdaemon start`"
+    )
+
+
+def test_run_foreground_refuses_a_held_lock(root: Path) -> None:
+    paths = DaemonPaths(root)
+    paths.pid_file.write_text("4242\n")
+    fd = hold_lock(paths)
+    try:
+        with pytest.raises(Conflict) as caught:
+            lifecycle.run_foreground(make_config(root))
+    finally:
+        os.close(fd)
+    assert caught.value.message == f"a kvdaemon is already running at {root} (pid 4242)"
+    assert paths.pid_file.read_text() == "4242\n"  # the running daemon's file is untouched
+
+
+def test_run_foreground_serves_until_shutdown_and_cleans_up(root: Path) -> None:
+    paths = DaemonPaths(root)
+    paths.control_socket.touch()  # stale, from a dead daemon
+    paths.pid_file.write_text("4242\n")
+    seen: dict[str, object] = {}
+
+    def shut_down_once_up() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if paths.handle_socket.exists():
+                client = KVClient(root, timeout_s=5)
+                try:
+                    seen["pid"] = client.hello()["pid"]
+                    seen["pid_file"] = paths.pid_file.read_text()
+                    seen["running"] = lifecycle.running_pid(paths)
+                    client.shutdown()
+                finally:
+                    client.close()
+                return
+            time.sleep(0.02)
+
+    handlers_before = list(logging.getLogger("kvdaemon").handlers)
+    sigterm_before = signal.getsignal(signal.SIGTERM)
+    helper = threading.Thread(target=shut_down_once_up)
+    helper.start()
+    assert lifecycle.run_foreground(make_config(root)) == 0
+    helper.join()
+
+    assert seen == {"pid": os.getpid(), "pid_file": f"{os.getpid()}\n", "running": os.getpid()}
+    assert not paths.pid_file.exists()
+    assert not any(path.exists() for path in paths.sockets())
+    assert lifecycle.running_pid(paths) is None
+    assert logging.getLogger("kvdaemon").handlers == handlers_before
+    assert signal.getsignal(signal.SIGTERM) is sigterm_before
+    assert f"kvdaemon {os.getpid()} stopped" in paths.log_file.read_text()
+
+
+def test_start_detached_reports_an_early_exit_with_the_log(root: Path) -> None:
+    config = make_config(root, capacity="1000TiB")  # more than this machine has
+    with pytest.raises(LifecycleError) as caught:
+        lifecycle.start_detached(config, timeout_s=30)
+    assert caught.value.code == "LIFECYCLE"
+    assert "exited with status 2 before accepting clients" in caught.value.message
+    assert "exceeds the device" in caught.value.message
+    assert lifecycle.running_pid(DaemonPaths(root)) is None
+
+
+def test_start_detached_refuses_a_running_daemon(root: Path) -> None:
+    paths = DaemonPaths(root)
+    paths.pid_file.write_text("4242\n")
+    fd = hold_lock(paths)
+    try:
+        with pytest.raises(Conflict, match=r"already running .* \(pid 4242\)"):
+            lifecycle.start_detached(make_config(root))
+    finally:
+        os.close(fd)
