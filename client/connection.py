@@ -58,6 +58,7 @@ class KVClient:
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.timeout_s * 1000)))
             sock.connect(self.paths.control_endpoint)
             self._sock = sock
         return self._sock
@@ -78,13 +79,14 @@ class KVClient:
         sock = self._socket()
         request_id = next(self._ids)
         sock.send(request(request_id, op, args))
-        timeout_ms = int(self.timeout_s * 1000)
         while True:
-            if not sock.poll(timeout_ms, zmq.POLLIN):
+            try:
+                raw = sock.recv()  # waits at most timeout_s (RCVTIMEO)
+            except zmq.Again:
                 self._reset()
                 self.daemon_info = None
-                raise self._unreachable()
-            message = decode(sock.recv())
+                raise self._unreachable() from None
+            message = decode(raw)
             if "notice" in message:
                 self.notices.append(message)
                 continue
