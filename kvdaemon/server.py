@@ -88,6 +88,8 @@ class Daemon:
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._listener.fileno(), zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        if cfg.idle_sleep_s is not None:
+            log.warning("--idle-sleep is not implemented yet (sleep and wake arrive later); ignored")
         if cfg.metrics_port:
             self.metrics = Metrics(cfg.metrics_port, self._snapshot)
             self.metrics.start()
