@@ -41,6 +41,8 @@ class KVClient:
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         self._backend: Any = None
+        self._open_pools: set[int] = set()  # id() of pools registered here and not yet closed
+        self._closed = False
 
     # -- transport -------------------------------------------------------------
 
@@ -166,7 +168,19 @@ class KVClient:
         except KVDaemonError:
             lease.close()
             raise
+        self._open_pools.add(id(pool))
         return pool
+
+    def pool_closed(self, pool: KVPool) -> None:
+        """Called by ``KVPool.close``: the last pool of a closed client closes the backend."""
+        self._open_pools.discard(id(pool))
+        if self._closed and not self._open_pools:
+            self._close_backend()
+
+    def _close_backend(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
 
     def lease(
         self,
@@ -206,9 +220,13 @@ class KVClient:
         return self._backend
 
     def close(self) -> None:
-        """Close the socket. Pools registered through this client stay usable until closed."""
+        """Close the socket. Pools registered here stay usable until closed; the
+        backend (this process's imported pages and ranges) closes with the last of them."""
         with self._lock:
             self._reset()
+            self._closed = True
+        if not self._open_pools:
+            self._close_backend()
 
     def __enter__(self) -> KVClient:
         return self

@@ -108,6 +108,7 @@ class KVPool:
             for base in self._bases:
                 self.backend.free_range(base)
             self._bases.clear()
+        self.lease.client.pool_closed(self)
 
     def __enter__(self) -> KVPool:
         return self
