@@ -145,22 +145,27 @@ class BlockAllocator:
         free = self._free[page]
         if 0 < num_blocks < len(free) and self.aligned:
             # Fast path: the current page has more than enough; it stays partly free.
-            if num_blocks == 1:
-                out = [free.pop()]
-            else:
-                out = free[-num_blocks:]
-                del free[-num_blocks:]
-                out.reverse()  # ascending ids: neighbours in a block table sit side by side
-            live = self._live
-            for block in out:
-                live[block] = 1
-            if not self._use[page]:
-                self.spare.discard(page)
-            self._use[page] += num_blocks
+            out = self._take(page, free, num_blocks)
             self.num_free -= num_blocks
             self.num_live += num_blocks
             return out
         return self._alloc_across_pages(num_blocks)
+
+    def _take(self, page: int, free: list[int], num_blocks: int) -> list[int]:
+        """Pop ``num_blocks`` ids off ``page``'s free list, mark them live, count their use."""
+        if num_blocks == 1:
+            chunk = [free.pop()]
+        else:
+            chunk = free[-num_blocks:]
+            del free[-num_blocks:]
+            chunk.reverse()  # ascending ids: neighbours in a block table sit side by side
+        live = self._live
+        for block in chunk:
+            live[block] = 1
+        if not self._use[page]:
+            self.spare.discard(page)
+        self._use[page] += num_blocks
+        return chunk
 
     def _alloc_across_pages(self, num_blocks: int) -> list[int]:
         if type(num_blocks) is not int or num_blocks < 0:
@@ -169,7 +174,6 @@ class BlockAllocator:
             raise PoolExhausted(f"{num_blocks} blocks wanted, {self.num_free} free and mapped")
         out: list[int] = []
         remaining = num_blocks
-        live, use = self._live, self._use
         while remaining:
             page = self._cursor
             free = self._free[page]
@@ -177,17 +181,7 @@ class BlockAllocator:
                 page = self._cursor = self._pick()
                 free = self._free[page]
             take = remaining if remaining < len(free) else len(free)
-            if take == 1:
-                chunk = [free.pop()]
-            else:
-                chunk = free[-take:]
-                del free[-take:]
-                chunk.reverse()  # ascending ids: neighbours in a block table sit side by side
-            for block in chunk:
-                live[block] = 1
-            if not use[page]:
-                self.spare.discard(page)
-            use[page] += take
+            chunk = self._take(page, free, take)
             if not free:
                 self._with_free.discard(page)
             if not self.aligned:
