@@ -44,6 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_attention import gpu_attention_check  # noqa: E402
 from report import median_us, percentile_us, save  # noqa: E402
 
 try:
@@ -463,6 +464,7 @@ CHECKS: list[tuple[str, Callable[[], Figures]]] = [
     ("map_latency", check_map_latency),
     ("torch_view", check_torch_view),
     ("view_before_map", check_view_before_map),
+    ("attention", gpu_attention_check),
 ]
 
 

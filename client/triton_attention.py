@@ -139,7 +139,8 @@ def _paged_attention_kernel(
         block = tl.load(bt_row + (keys // BLOCK_SIZE) * stride_btb, mask=key_ok, other=0).to(tl.int64)
         offset = keys % BLOCK_SIZE
         k_base = block * stride_kb + offset * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptr + k_base[None, :] + dims[:, None] * stride_kd, mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        k_mask = key_ok[None, :] & dim_ok[:, None]
+        k = tl.load(k_ptr + k_base[None, :] + dims[:, None] * stride_kd, mask=k_mask, other=0.0)  # [DIM_P2, BLOCK_N]
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         s = tl.where(key_ok[None, :] & (keys[None, :] <= pos[:, None]), s, _NEG)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -147,7 +148,8 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_base = block * stride_vb + offset * stride_vs + kv_head * stride_vh
-        v = tl.load(v_ptr + v_base[:, None] + dims[None, :] * stride_vd, mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        v_mask = key_ok[:, None] & dim_ok[None, :]
+        v = tl.load(v_ptr + v_base[:, None] + dims[None, :] * stride_vd, mask=v_mask, other=0.0)  # [BLOCK_N, DIM_P2]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 

@@ -1,0 +1,250 @@
+"""The torch implementation of ``store_kv`` and ``paged_attention``: runs on any device.
+
+Called by :mod:`kvdaemon.client.attention` after it checked shapes, dtypes and
+devices; this module checks the index *values* (it reads them on the host
+anyway): ragged offsets, lengths against the block table, block ids and slots
+against the cache.
+
+``paged_attention`` reads ``query_start_loc`` and ``seq_lens`` on the host once,
+then gathers K/V blocks with ``index_select`` and runs
+``scaled_dot_product_attention`` over them (fp32 accumulation for bf16/fp16, as
+SDPA's kernels do):
+
+- decode sequences (one new token), sorted by length, in chunks of about
+  ``DECODE_CHUNK_BYTES`` of K+V: one gather and one SDPA per chunk, the query
+  heads of a KV head folded into the query rows of one SDPA head (no K/V
+  repeat), a key-padding mask only where lengths differ;
+- each prefill chunk alone, GQA by a stride-0 expand of the KV heads, with a
+  bottom-right causal mask (SDPA's own causal mode when it covers the whole
+  context).
+
+Cost: K/V move twice (the gather's copy, then SDPA reading it), against once
+for SDPA over contiguous K/V. On CPU decode is memory-bound and the copy costs
+about as much as SDPA itself, so decode takes 1.9-2.5x SDPA's time
+(``bench/attention.py``, 2 cores). On CPU the gather targets are per-thread
+buffers kept between calls (see ``_GatherBuffers``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from kvdaemon.errors import BadRequest
+
+DECODE_CHUNK_BYTES = 32 * 1024 * 1024
+"""K+V bytes gathered per decode chunk (at least one sequence per chunk). It bounds
+the gather buffers; on an idle 2-core CPU 16 MiB chunks and one chunk for the
+whole batch ran equally fast, while many small chunks (many short parallel
+regions) slowed down most when other processes took a core."""
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Drop negative slots, check the rest against the cache, ``index_put_`` K and V (cast to the cache dtype)."""
+    num_blocks, block_size = k_cache.shape[:2]
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if slots.numel() == 0:
+        return
+    if int(slots.max()) >= num_blocks * block_size:
+        raise BadRequest(f"slot {int(slots.max())} is past the cache's {num_blocks * block_size} slots")
+    slots = slots.long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache.index_put_((blocks, offsets), key.to(k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), value.to(v_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``[total_q, num_heads, head_dim]``: decode sequences in chunks, then each prefill chunk alone."""
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    _check_ragged(starts, lens, query.shape[0], block_tables.shape[1], k_cache.shape[1])
+    out = torch.empty_like(query)
+    q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
+    decode = sorted((s for s, n in enumerate(q_lens) if n == 1), key=lens.__getitem__)
+    token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # K+V of one token
+    for chunk in _decode_chunks(decode, lens, token_bytes):
+        rows = [starts[s] for s in chunk]
+        o = _decode_one_chunk(_rows(query, rows), k_cache, v_cache, block_tables, chunk, lens, scale)
+        _set_rows(out, rows, o)
+    for s, q_len in enumerate(q_lens):
+        if q_len > 1:
+            rows = slice(starts[s], starts[s + 1])
+            out[rows] = _prefill_one(query[rows], k_cache, v_cache, block_tables[s], lens[s], scale)
+    return out
+
+
+def _decode_chunks(seqs: list[int], lens: list[int], token_bytes: int) -> list[list[int]]:
+    """Split ``seqs`` (sorted by length) into runs whose padded K+V fits ``DECODE_CHUNK_BYTES``.
+
+    A run's padded size is its count times its last (longest) length; a sequence
+    larger than the budget gets a run of its own.
+    """
+    chunks: list[list[int]] = []
+    for s in seqs:
+        if chunks and (len(chunks[-1]) + 1) * lens[s] * token_bytes <= DECODE_CHUNK_BYTES:
+            chunks[-1].append(s)
+        else:
+            chunks.append([s])
+    return chunks
+
+
+def _decode_one_chunk(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seqs: list[int],
+    all_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """``[n, num_heads, head_dim]`` attention of one new token for each of ``seqs`` (shortest first).
+
+    Gathers ``n * ceil(longest / block_size)`` blocks of K and of V; the query
+    heads of one KV head become the query rows of one SDPA head (no K/V repeat).
+    Where lengths differ, positions past a sequence's end read a block of its own
+    (never the table's padding), are zeroed (stale cache bytes may be NaN) and
+    masked.
+    """
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    lens = [all_lens[s] for s in seqs]
+    longest = lens[-1]
+    table = _rows(block_tables, seqs)[:, : -(-longest // block_size)]
+    mask = None
+    if lens[0] != longest:
+        lens_t = torch.tensor(lens, device=q.device)
+        table = _pad_with_first_block(table, lens_t, block_size)
+        mask = torch.arange(longest, device=q.device)[None, :] < lens_t[:, None]
+    keys, values = _gather(k_cache, v_cache, table.reshape(-1), n, longest)
+    if mask is not None:
+        for t in (keys, values):
+            t.transpose(1, 2)[~mask] = 0
+        mask = mask.view(n, 1, 1, longest)
+    group = num_heads // num_kv_heads
+    q = q.reshape(n, num_kv_heads, group, head_dim)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return o.reshape(n, num_heads, head_dim)
+
+
+def _pad_with_first_block(table: torch.Tensor, lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``table`` with entries past each row's ``ceil(len / block_size)`` replaced by its first block."""
+    needed = (lens + block_size - 1) // block_size
+    columns = torch.arange(table.shape[1], device=table.device)
+    return torch.where(columns[None, :] < needed[:, None], table, table[:, :1])
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``, as a view when ``rows`` is a run of consecutive indices."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return t[rows[0] : rows[0] + len(rows)]
+    return t[rows]
+
+
+def _set_rows(t: torch.Tensor, rows: list[int], value: torch.Tensor) -> None:
+    """``t[rows] = value``, as a slice copy when ``rows`` is a run of consecutive indices."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        t[rows[0] : rows[0] + len(rows)] = value
+    else:
+        t[rows] = value
+
+
+def _prefill_one(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int, scale: float
+) -> torch.Tensor:
+    """``[q_len, num_heads, head_dim]`` attention of one sequence's new tokens over its ``ctx`` tokens.
+
+    Bottom-right causal: with ``q_len == ctx`` SDPA's own causal mode, else a
+    ``[q_len, ctx]`` bool mask. GQA by a stride-0 expand of the KV heads (no copy).
+    """
+    q_len, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    group = num_heads // num_kv_heads
+    table = table[: -(-ctx // block_size)]
+    keys, values = _gather(k_cache, v_cache, table, 1, ctx)  # [1, kv_heads, ctx, head_dim]
+    shape = (num_kv_heads, group, ctx, head_dim)
+    keys, values = keys[0, :, None].expand(shape), values[0, :, None].expand(shape)
+    q = q.reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    if q_len == ctx:
+        o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+    else:
+        positions = torch.arange(ctx, device=q.device)
+        mask = positions[None, :] <= positions[ctx - q_len :, None]
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+
+
+def _gather(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, n: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``n`` sequences whose blocks are ``block_ids`` (row-major, same count each).
+
+    Returns two ``[n, num_kv_heads, length, head_dim]`` views (strided, last dim
+    contiguous) of ``[len(block_ids), block_size, ...]`` copies, which on CPU live
+    in this thread's reused buffers: valid until this thread's next gather. Raises
+    ``BadRequest`` on a block id outside the cache.
+    """
+    lo, hi = torch.aminmax(block_ids)
+    if int(lo) < 0 or int(hi) >= k_cache.shape[0]:
+        raise BadRequest(f"block ids must lie in [0, {k_cache.shape[0]}), got [{int(lo)}, {int(hi)}]")
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    shape = (block_ids.numel(),) + tuple(k_cache.shape[1:])
+    per_seq = block_ids.numel() // n * block_size
+    views = []
+    for which, cache in enumerate((k_cache, v_cache)):
+        blocks = torch.index_select(cache, 0, block_ids, out=_BUFFERS.get(which, shape, cache))
+        views.append(blocks.view(n, per_seq, num_kv_heads, head_dim)[:, :length].transpose(1, 2))
+    return views[0], views[1]
+
+
+class _GatherBuffers(threading.local):
+    """Per-thread gather targets on CPU, reused across calls, grown to the largest asked.
+
+    Fresh multi-MiB CPU tensors come from ``mmap`` and are paid for again in page
+    faults on every call (that costs more than the copy); reusing two buffers
+    (K, V) avoids it. They hold about ``DECODE_CHUNK_BYTES``, or one prefill
+    sequence's K+V if larger, per thread that called ``paged_attention`` on CPU.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def get(self, which: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised ``shape`` tensor of ``like``'s dtype and device (fresh off CPU)."""
+        if like.device.type != "cpu":
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+        numel = math.prod(shape)
+        buffer = self.buffers.get((which, like.dtype))
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=like.dtype)
+            self.buffers[(which, like.dtype)] = buffer
+        return buffer[:numel].view(shape)
+
+
+_BUFFERS = _GatherBuffers()
+
+
+def _check_ragged(starts: list[int], lens: list[int], total_q: int, max_blocks: int, block_size: int) -> None:
+    """Index values: offsets start at 0, grow, end at ``total_q``; each sequence fits its table."""
+    if starts[0] != 0 or starts[-1] != total_q:
+        raise BadRequest(f"query_start_loc must run from 0 to total_q={total_q}, got {starts[0]}..{starts[-1]}")
+    for s, ctx in enumerate(lens):
+        q_len = starts[s + 1] - starts[s]
+        if q_len < 0 or q_len > ctx:
+            raise BadRequest(f"sequence {s}: {q_len} new tokens with seq_len {ctx}")
+        if math.ceil(ctx / block_size) > max_blocks:
+            raise BadRequest(f"sequence {s}: seq_len {ctx} needs more than {max_blocks} blocks")
