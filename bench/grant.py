@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -111,6 +112,56 @@ def one_page_grants(client: KVClient, num_grants: int) -> list[float]:
     return samples
 
 
+def zmq_echo_round_trips(num_trips: int) -> list[float]:
+    """Seconds per bare ZeroMQ DEALER->ROUTER->DEALER echo between two processes.
+
+    The floor under any control-channel op on this machine right now.
+    """
+    import multiprocessing
+
+    import zmq
+
+    endpoint = f"ipc://{tempfile.mkdtemp(prefix='kvd-echo-', dir='/tmp')}/echo.sock"
+    ready = multiprocessing.Event()
+    server = multiprocessing.get_context("fork").Process(
+        target=_echo_server, args=(endpoint, num_trips, ready)
+    )
+    server.start()
+    ready.wait(10)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    samples = []
+    for _ in range(num_trips):
+        t0 = time.perf_counter()
+        sock.send(b"ping")
+        sock.recv()
+        samples.append(time.perf_counter() - t0)
+    sock.close(linger=0)
+    server.join(10)
+    return samples
+
+
+def _echo_server(endpoint: str, num_trips: int, ready: object) -> None:
+    import zmq
+
+    router = zmq.Context().socket(zmq.ROUTER)
+    router.bind(endpoint)
+    ready.set()  # type: ignore[attr-defined]
+    for _ in range(num_trips):
+        router.send_multipart(router.recv_multipart())
+    router.close(linger=1000)
+
+
+def control_round_trips(client: KVClient, num_trips: int) -> list[float]:
+    """Seconds per ``status`` op: the daemon's own round trip without a grant."""
+    samples = []
+    for _ in range(num_trips):
+        t0 = time.perf_counter()
+        client.call("status")
+        samples.append(time.perf_counter() - t0)
+    return samples
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7, help="1 GiB grows per side")
@@ -123,6 +174,8 @@ def main() -> int:
             base.append(in_process_grow(GiB // PAGE_BYTES))
             ours.append(daemon_grow(client, f"grow-{r}"))
         latencies = one_page_grants(client, args.grants)
+        controls = control_round_trips(client, args.grants)
+    echoes = zmq_echo_round_trips(args.grants)
 
     ours_ms, base_ms = median_us(ours) / 1e3, median_us(base) / 1e3
     ratio = ours_ms / base_ms
@@ -130,14 +183,18 @@ def main() -> int:
     print(f"1 GiB grow through the daemon:   {ours_ms:8.2f} ms  ({GiB // PAGE_BYTES} pages)")
     print(f"1 GiB create+map in-process:     {base_ms:8.2f} ms  (baseline, same run)")
     print(f"ratio: {ratio:.2f}x   target <= {GROW_TARGET}x   {verdict(ratio, GROW_TARGET)}")
+    control_p50, echo_p50 = percentile_us(controls, 50), percentile_us(echoes, 50)
     print(f"one-page grant round trip: p50 {p50:7.1f} us   p99 {p99:7.1f} us   "
           f"target p50 <= {P50_TARGET_US:.0f} us   {verdict(p50, P50_TARGET_US)}")
+    print(f"  same run: status op p50 {control_p50:7.1f} us;  bare zmq echo between two "
+          f"processes p50 {echo_p50:7.1f} us (the floor); grant = {p50 / echo_p50:.2f}x the echo")
     path = save("grant", {
         "grow_bytes": GiB, "rounds": args.rounds,
         "daemon_grow_ms": round(ours_ms, 3), "in_process_grow_ms": round(base_ms, 3),
         "ratio": round(ratio, 3), "target_ratio": GROW_TARGET,
         "one_page_p50_us": round(p50, 1), "one_page_p99_us": round(p99, 1),
         "grants": args.grants, "target_p50_us": P50_TARGET_US,
+        "status_op_p50_us": round(control_p50, 1), "zmq_echo_p50_us": round(echo_p50, 1),
     })
     print(f"wrote {path}")
     return 0

@@ -32,6 +32,11 @@ class BlockAllocator:
     def __init__(self, num_pages: int, page_bytes: int, block_bytes: int) -> None:
         if block_bytes <= 0 or page_bytes <= 0 or num_pages <= 0:
             raise BadRequest("block size, page size and number of pages must be positive")
+        if block_bytes > page_bytes:
+            raise BadRequest(
+                f"a block of {block_bytes} bytes (one segment) does not fit in a page of "
+                f"{page_bytes} bytes: use a smaller block_size or a larger --page-size"
+            )
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.block_bytes = block_bytes
@@ -70,11 +75,11 @@ class BlockAllocator:
     def is_mapped(self, page: int) -> bool:
         return bool(self._mapped[page])
 
-    def unmapped_pages(self, num_pages: int) -> list[int]:
-        """Up to ``num_pages`` unmapped page indices, lowest first. O(num_pages scanned)."""
+    def unmapped_pages(self, num_pages: int, skip: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """Up to ``num_pages`` unmapped page indices not in ``skip``, lowest first. O(pages scanned)."""
         out = []
         for page in range(self.num_pages):
-            if not self._mapped[page]:
+            if not self._mapped[page] and page not in skip:
                 out.append(page)
                 if len(out) == num_pages:
                     break

@@ -12,6 +12,7 @@ The socket is opened on the first request, not in the constructor.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -205,7 +206,12 @@ class KVClient:
             args["max_bytes"] = max_bytes
         reply = self.call("register", args)
         lease = Lease(self, name, reply)
-        lease.attach()
+        try:
+            lease.attach()
+        except KVDaemonError:
+            with contextlib.suppress(KVDaemonError):  # free the name now, not at the attach timeout
+                self.call("unregister", {"tenant": name, "token": lease.token})
+            raise
         return lease
 
     def backend(self) -> Any:

@@ -120,6 +120,10 @@ class Lease:
                 raise self.client._unreachable()
             body, fds = frame
             ids, fd_index = body.get("page_ids"), body.get("fd_index")
+            stale = body.get("grant_id")
+            if isinstance(stale, int) and stale < grant_id:
+                close_fds(fds)  # a grant whose reply we gave up on: its pages are shrunk apart
+                continue
             if (
                 body.get("grant_id") != grant_id
                 or not isinstance(ids, list)

@@ -22,20 +22,20 @@ round trip unless pages must be mapped or returned.
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import threading
 from typing import TYPE_CHECKING, Any
 
 from kvdaemon.client.allocator import BlockAllocator
 from kvdaemon.client.lease import Lease
+from kvdaemon.client.pool_agent import PoolAgent
 from kvdaemon.client.spec import KVSpec
-from kvdaemon.errors import BadRequest, KVDaemonError, NoMemory, OverLimit, PoolExhausted
+from kvdaemon.errors import (
+    BackendError, BadRequest, DaemonUnreachable, KVDaemonError, NoMemory, OverLimit, PoolExhausted,
+)
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger("kvdaemon.client.pool")
-HEARTBEAT_S = 1.0
 
 
 class KVPool:
@@ -61,15 +61,13 @@ class KVPool:
         self.num_blocks = self.allocator.num_blocks
         self.block_size = spec.block_size
         self.blocks_per_page = self.allocator.blocks_per_page
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._bases: list[int] = []
         self._caches: list[torch.Tensor] = []
         self._pages: dict[int, list[Any]] = {}
-        self._reclaim_pages = 0
-        self._wake = threading.Event()
+        self._pending_return: set[int] = set()  # unmapped here, shrink not yet confirmed
         self._closed = False
-        self._agent: threading.Thread | None = None
-        self._reported_used = -1
+        self.agent = PoolAgent(self)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -81,34 +79,47 @@ class KVPool:
         span = self.num_virtual_pages * self.page_bytes
         view_bytes = self.num_blocks * self.spec.block_bytes
         shape = (self.num_blocks, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        for _ in range(self.spec.num_segments):
-            base = self.backend.reserve(span)
-            self._bases.append(base)
-            self._caches.append(self.backend.tensor(base, view_bytes, dtype).view(shape))
-        self.lease.on_notice = self._on_notice
-        self._agent = threading.Thread(target=self._agent_loop, name=f"kvpool-{self.name}", daemon=True)
-        self._agent.start()
+        try:
+            for _ in range(self.spec.num_segments):
+                self._bases.append(self.backend.reserve(span))
+                self._caches.append(self.backend.tensor(self._bases[-1], view_bytes, dtype).view(shape))
+        except BackendError:
+            self._free_ranges()
+            raise
+        self.lease.on_notice = self.agent.on_notice
+        self.agent.start()
 
     def close(self) -> None:
         """Give every page back, unregister, and free the ranges. The tensors die with it."""
         if self._closed:
             return
         self._closed = True
-        self._wake.set()
-        if self._agent is not None:
-            self._agent.join(5)
-        with self._lock:
-            for lp in list(self._pages):
-                self._unmap(lp)
-            self._pages.clear()
-            # An empty allocator: every later alloc takes the slow path and sees _closed.
-            self.allocator = BlockAllocator(self.num_virtual_pages, self.page_bytes, self.spec.block_bytes)
-            self.lease.close()
-            self._caches.clear()
-            for base in self._bases:
-                self.backend.free_range(base)
-            self._bases.clear()
-        self.lease.client.pool_closed(self)
+        self.agent.stop()
+        try:
+            with self.lock:
+                self.drop_all_pages()
+                self.lease.close()
+        finally:
+            with self.lock:
+                self._caches.clear()
+                self._free_ranges()
+            self.lease.client.pool_closed(self)
+
+    def drop_all_pages(self) -> None:
+        """Unmap every page here (without telling the daemon) and empty the allocator.
+
+        Later ``alloc`` calls take the slow path, where a closed or revoked pool
+        raises. Call with the lock held.
+        """
+        for lp in list(self._pages):
+            self._unmap(lp)
+        self._pages.clear()
+        self.allocator = BlockAllocator(self.num_virtual_pages, self.page_bytes, self.spec.block_bytes)
+
+    def _free_ranges(self) -> None:
+        for base in self._bases:
+            self.backend.free_range(base)
+        self._bases.clear()
 
     def __enter__(self) -> KVPool:
         return self
@@ -159,16 +170,16 @@ class KVPool:
         """``num_blocks`` block ids over mapped memory; ``PoolExhausted`` with nothing taken."""
         if type(num_blocks) is not int or num_blocks < 0:
             raise BadRequest(f"cannot allocate {num_blocks!r} blocks")
-        with self._lock:
+        with self.lock:
             if num_blocks > self.allocator.num_free:
-                if self._closed:
-                    raise PoolExhausted(f"pool {self.name!r} is closed")
+                if self._closed or self.agent.revoked:
+                    raise PoolExhausted(f"pool {self.name!r} is closed or its lease was revoked")
                 self._grow_for(num_blocks)
             return self.allocator.alloc(num_blocks)
 
     def free(self, block_ids: list[int]) -> None:
         """Return blocks; spare pages past ``num_spare_pages`` go back to the daemon."""
-        with self._lock:
+        with self.lock:
             self.allocator.free(block_ids)
             extra = len(self.allocator.spare) - self.num_spare_pages
             if extra > 0:
@@ -181,30 +192,61 @@ class KVPool:
         while num_blocks > self.allocator.num_free:
             missing = num_blocks - self.allocator.num_free
             needed = -(-missing // self.blocks_per_page)
-            wanted = self.allocator.unmapped_pages(needed + self.num_prefetch_pages)
+            wanted = self.allocator.unmapped_pages(
+                needed + self.num_prefetch_pages, skip=self._pending_return
+            )
             if len(wanted) < needed:
                 raise PoolExhausted(
                     f"pool {self.name!r} has {self.num_blocks} blocks of virtual capacity; "
                     f"{num_blocks} free wanted"
                 )
             try:
-                granted = self.lease.grow(wanted)
+                granted = self._grow(wanted)
             except (NoMemory, OverLimit) as exc:
                 if len(wanted) == needed:
                     raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
                 try:
-                    granted = self.lease.grow(wanted[:needed])
+                    granted = self._grow(wanted[:needed])
                 except (NoMemory, OverLimit) as again:
                     raise PoolExhausted(f"daemon refused {needed} page(s): {again.message}") from again
             self._map(granted)
 
+    def _grow(self, wanted: list[int]) -> dict[int, list[Any]]:
+        """One grow; if its reply never came, try to give the pages back so both sides agree."""
+        try:
+            return self.lease.grow(wanted)
+        except DaemonUnreachable:
+            if not self.lease.lost.is_set():
+                with contextlib.suppress(KVDaemonError):
+                    self.lease.shrink(wanted)
+            raise
+
     def _map(self, granted: dict[int, list[Any]]) -> None:
-        for lp, pages in granted.items():
-            offset = lp * self.page_bytes
-            for base, page in zip(self._bases, pages):
-                self.backend.map_page(base + offset, page)
-            self._pages[lp] = pages
-            self.allocator.add_page(lp)
+        """Map granted pages into every segment; on a backend error undo and give all back."""
+        done: list[int] = []
+        try:
+            for lp, pages in granted.items():
+                offset = lp * self.page_bytes
+                mapped = 0
+                try:
+                    for base, page in zip(self._bases, pages):
+                        self.backend.map_page(base + offset, page)
+                        mapped += 1
+                except BackendError:
+                    for base in self._bases[:mapped]:
+                        self.backend.unmap(base + offset, self.page_bytes)
+                    raise
+                self._pages[lp] = pages
+                self.allocator.add_page(lp)
+                done.append(lp)
+        except BackendError:
+            rest = [lp for lp in granted if lp not in done]
+            for lp in rest:
+                for page in granted[lp]:
+                    self.backend.release_page(page)
+            with contextlib.suppress(KVDaemonError):
+                self.lease.shrink(rest)
+            raise
 
     def _unmap(self, lp: int) -> None:
         offset = lp * self.page_bytes
@@ -213,47 +255,29 @@ class KVPool:
             self.backend.release_page(page)
 
     def _return(self, lps: list[int]) -> None:
-        """Unmap spare logical pages here and give them back to the daemon."""
+        """Unmap spare logical pages here and give them back to the daemon.
+
+        Until the daemon confirms, the pages stay out of ``alloc``'s reach; the
+        agent retries an unconfirmed return.
+        """
         for lp in lps:
             self.allocator.remove_page(lp)
             self._unmap(lp)
             del self._pages[lp]
-        self.lease.shrink(lps)
+        self._pending_return.update(lps)
+        self.retry_returns()
 
-    # -- background agent ------------------------------------------------------
+    def retry_returns(self) -> None:
+        """Tell the daemon about pages unmapped here. Call with the lock held."""
+        if self._pending_return:
+            lps = sorted(self._pending_return)
+            self.lease.shrink(lps)
+            self._pending_return.difference_update(lps)
 
-    def _on_notice(self, body: dict[str, Any]) -> None:
-        """Called on the lease's reader thread: record, wake the agent, never block."""
-        if body.get("notice") == "reclaim":
-            num_pages = body.get("num_pages")
-            if isinstance(num_pages, int) and num_pages > 0:
-                self._reclaim_pages = max(self._reclaim_pages, num_pages)
-                self._wake.set()
-
-    def _agent_loop(self) -> None:
-        while not self._closed:
-            self._wake.wait(HEARTBEAT_S)
-            self._wake.clear()
-            if self._closed or self.lease.lost.is_set():
-                return
-            try:
-                self._serve_reclaim()
-                self._report_used()
-            except KVDaemonError as exc:
-                log.warning("pool %s: daemon request failed: %s", self.name, exc)
-
-    def _serve_reclaim(self) -> None:
-        if not self._reclaim_pages:
-            return
-        with self._lock:
-            wanted, self._reclaim_pages = self._reclaim_pages, 0
-            spare = self.allocator.spare_pages()[:wanted]
+    def return_spare(self, num_pages: int) -> int:
+        """Give back up to ``num_pages`` spare pages now (the agent's answer to a reclaim)."""
+        with self.lock:
+            spare = self.allocator.spare_pages()[:num_pages]
             if spare and not self._closed:
                 self._return(spare)
-                log.info("pool %s: returned %d spare page(s) on request", self.name, len(spare))
-
-    def _report_used(self) -> None:
-        used = self.used_bytes
-        if used != self._reported_used:
-            self.lease.heartbeat(used_bytes=used)
-            self._reported_used = used
+            return len(spare)

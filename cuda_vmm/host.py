@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 from typing import TYPE_CHECKING
@@ -104,8 +105,10 @@ class HostBackend:
         self._libc = _load_libc()
         self._mmap = self._libc.mmap
         if self.num_pages:
-            self.pool_fd = os.memfd_create("kvdaemon-pool", os.MFD_CLOEXEC)
+            self.pool_fd = os.memfd_create("kvdaemon-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self.pool_fd, self.num_pages * self.page_size_bytes)
+            # No process holding the fd may resize the pool (a shrink would SIGBUS every mapper).
+            fcntl.fcntl(self.pool_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
 
     def close(self) -> None:
         if self._libc is None:

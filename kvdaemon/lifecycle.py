@@ -84,7 +84,7 @@ def prepare_dir(root: Path) -> None:
     except FileNotFoundError:
         root.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(root, DIR_MODE)
-    info = os.stat(root)
+    info = os.lstat(root)
     if not stat.S_ISDIR(info.st_mode):
         raise Forbidden(f"{root} exists and is not a directory")
     if info.st_uid != os.getuid():

@@ -168,12 +168,12 @@ class Metrics:
         self._thread = None
 
     def observe_grant(self, seconds: float, num_pages: int) -> None:
-        """Record one grant that took ``seconds`` and gave ``num_pages`` logical pages."""
+        """Record one grant that took ``seconds`` and gave ``num_pages`` physical pages."""
         self._grant_latency.observe(seconds)
         self._granted_pages.inc(num_pages)
 
     def count_shrink(self, num_pages: int) -> None:
-        """Record ``num_pages`` logical pages returned to the pool."""
+        """Record ``num_pages`` physical pages returned to the pool."""
         self._shrunk_pages.inc(num_pages)
 
     def count_lease_expiry(self) -> None:

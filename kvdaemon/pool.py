@@ -15,10 +15,13 @@ Cost: ``alloc`` and ``free`` are O(1) per page plus one backend create/release.
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.errors import BackendError, NoMemory
+
+log = logging.getLogger("kvdaemon.pool")
 
 
 class Owner(NamedTuple):
@@ -83,7 +86,10 @@ class PagePool:
         for page_id in page_ids:
             page = self._pages.pop(page_id)
             del self._owners[page_id]
-            self.backend.release_page(page)
+            try:
+                self.backend.release_page(page)
+            except BackendError as exc:  # the page stays usable; only its memory was not given back
+                log.error("releasing page %d failed: %s", page_id, exc)
             self._free.append(page_id)
 
     def page(self, page_id: int) -> PhysicalPage:

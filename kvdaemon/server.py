@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import socket
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from kvdaemon.service import Service
 log = logging.getLogger("kvdaemon.server")
 ATTACH_TIMEOUT_S = 10.0
 POLL_MS = 100
+MAX_UNATTACHED = 256
 
 
 @dataclass
@@ -60,6 +62,7 @@ class Daemon:
         self._listener: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
         self._leases: dict[int, _Conn] = {}
+        self._dead: list[tuple[_Conn, str]] = []  # failed sends, closed after the current op
         self._wake_r, self._wake_w = -1, -1
         self._poller = zmq.Poller()
         self._stopping = False
@@ -70,6 +73,7 @@ class Daemon:
     def start(self) -> None:
         """Open the backend, bind both sockets (mode 0600), start metrics."""
         cfg = self.config
+        _raise_fd_limit()
         probe = open_backend(cfg.backend, page_size_bytes=cfg.page_size_bytes, device=cfg.device)
         kind, total = probe.name, probe.mem_info().total_bytes
         probe.close()
@@ -77,7 +81,7 @@ class Daemon:
         backend = open_backend(
             kind, num_pages=num_pages, page_size_bytes=cfg.page_size_bytes, device=cfg.device
         )
-        self.service = Service(backend, self, on_grant=self._on_grant)
+        self.service = Service(backend, self, on_grant=self._on_grant, on_shrink=self._on_shrink)
         old_umask = os.umask(0o077)
         try:
             self._bind_control()
@@ -145,6 +149,7 @@ class Daemon:
                         self._read_handle(conn)
                 if events.get(self._wake_r):
                     os.read(self._wake_r, 64)
+                self._close_dead()
                 self._expire_unattached()
         finally:
             self._shutdown()
@@ -181,6 +186,13 @@ class Daemon:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
                 return
+            except OSError as exc:  # out of fds: refuse new peers, keep serving the rest
+                log.warning("cannot accept a handle connection: %s", exc)
+                return
+            if sum(1 for c in self._conns.values() if c.tenant_id is None) >= MAX_UNATTACHED:
+                log.warning("too many unattached handle connections; refusing one")
+                sock.close()
+                continue
             try:
                 pid = check_same_uid(sock)
             except KVDaemonError as exc:
@@ -202,6 +214,8 @@ class Daemon:
             return
         close_fds(fds)  # clients never send fds
         if conn.tenant_id is not None:
+            conn.outbox.push({"notice": "revoked", "args": {"why": "unexpected frame"}})
+            self._flush(conn)
             self._close_conn(conn, "unexpected frame on an attached handle channel")
             return
         self._attach(conn, body)
@@ -225,15 +239,22 @@ class Daemon:
         self._flush(conn)
 
     def _flush(self, conn: _Conn) -> None:
+        """Send what the socket takes. A failed send only marks the connection: it may
+        run inside an op that holds the service lock, so the close waits for ``_close_dead``."""
         try:
             done = conn.outbox.flush()
         except OSError as exc:
-            self._close_conn(conn, f"send failed: {exc}")
+            self._dead.append((conn, f"send failed: {exc}"))
             return
         flags = zmq.POLLIN if done else zmq.POLLIN | zmq.POLLOUT
         fd = conn.sock.fileno()
         if fd in self._conns:
             self._poller.register(fd, flags)
+
+    def _close_dead(self) -> None:
+        while self._dead:
+            conn, why = self._dead.pop()
+            self._close_conn(conn, why)
 
     def _close_conn(self, conn: _Conn, why: str, expired: bool = True) -> None:
         """Close a handle connection; an attached one ends its tenant's lease."""
@@ -298,6 +319,10 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.observe_grant(seconds, num_pages)
 
+    def _on_shrink(self, num_pages: int) -> None:
+        if self.metrics is not None:
+            self.metrics.count_shrink(num_pages)
+
     def _snapshot(self) -> dict:
         assert self.service is not None
         with self.service.lock:
@@ -330,3 +355,10 @@ class Daemon:
             if fd >= 0:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
+
+
+def _raise_fd_limit() -> None:
+    """Lift the soft fd limit to the hard one: every page in flight is an fd (CUDA)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

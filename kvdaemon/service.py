@@ -55,12 +55,18 @@ class LeasePort(Protocol):
 class Service:
     """Tenants, grants and limits of one daemon (see the module docstring)."""
 
-    def __init__(self, backend: Backend, leases: LeasePort, on_grant: Callable[[float, int], None]
-                 | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        leases: LeasePort,
+        on_grant: Callable[[float, int], None] | None = None,
+        on_shrink: Callable[[int], None] | None = None,
+    ) -> None:
         self.backend = backend
         self.pool = PagePool(backend)
         self.leases = leases
         self.on_grant = on_grant
+        self.on_shrink = on_shrink
         self.lock = threading.Lock()
         self.tenants: dict[str, Tenant] = {}
         self.by_id: dict[int, Tenant] = {}
@@ -106,7 +112,7 @@ class Service:
         if tenant is None:
             raise UnknownTenant(f"no tenant named {name!r}")
         token = args.str("token", 128)
-        if not secrets.compare_digest(token, tenant.token):
+        if not _same_token(token, tenant.token):
             raise Forbidden(f"wrong token for tenant {name!r}")
         return tenant
 
@@ -137,7 +143,7 @@ class Service:
         capacity = self.pool.capacity_bytes
         num_virtual_pages = args.int("num_virtual_pages", 1, 1 << 24)
         max_bytes = args.opt_int("max_bytes", 0, MAX_INT)
-        max_bytes = capacity if max_bytes is None else max_bytes
+        max_bytes = capacity if max_bytes is None else min(max_bytes, capacity)
         min_bytes = args.int("min_bytes", 0, MAX_INT, default=0)
         weight = args.float("weight", 1e-6, MAX_WEIGHT, default=1.0)
         pid = args.int("pid", 0, 1 << 31, default=0)
@@ -178,6 +184,11 @@ class Service:
         held = [lp for lp in wanted if lp in tenant.logical]
         if held:
             raise BadRequest(f"logical pages {held[:8]} are already mapped")
+        if len(wanted) * tenant.spec.num_segments > self.pool.num_free:
+            raise NoMemory(
+                f"{len(wanted)} logical pages need {len(wanted) * tenant.spec.num_segments} "
+                f"pages, {self.pool.num_free} free"
+            )
         new_bytes = tenant.mapped_bytes + len(wanted) * tenant.logical_page_bytes
         if new_bytes > tenant.max_bytes:
             raise OverLimit(
@@ -232,8 +243,11 @@ class Service:
         if missing:
             raise BadRequest(f"logical pages {missing[:8]} are not mapped for {tenant.name!r}")
         for lp in wanted:
-            self.pool.free([p.page_id for p in tenant.logical.pop(lp)])
+            self.pool.free([p.page_id for p in tenant.logical[lp]])
+            del tenant.logical[lp]
         tenant.touch()
+        if self.on_shrink is not None:
+            self.on_shrink(len(wanted) * tenant.spec.num_segments)
         return {"num_released": len(wanted), "mapped_bytes": tenant.mapped_bytes}
 
     def op_heartbeat(self, args: Args, _rid: bytes) -> dict[str, Any]:
@@ -262,7 +276,7 @@ class Service:
         if max_bytes is None and min_bytes is None and weight is None:
             raise BadRequest("set_limit needs at least one of max_bytes, min_bytes, weight")
         values = (
-            old_max if max_bytes is None else max_bytes,
+            old_max if max_bytes is None else min(max_bytes, self.pool.capacity_bytes),
             old_min if min_bytes is None else min_bytes,
             old_weight if weight is None else weight,
         )
@@ -295,7 +309,8 @@ class Service:
         if excess > 0 and tenant.leased:
             num_pages = -(-excess // tenant.logical_page_bytes)
             self.leases.send_notice(
-                tenant.tenant_id, {"notice": "reclaim", "tenant": tenant.name, "num_pages": num_pages}
+                tenant.tenant_id,
+                {"notice": "reclaim", "args": {"tenant": tenant.name, "num_pages": num_pages}},
             )
 
     def op_shutdown(self, _args: Args, _rid: bytes) -> dict[str, Any]:
@@ -309,7 +324,7 @@ class Service:
         tenant = self.tenants.get(name)
         if tenant is None:
             raise UnknownTenant(f"no tenant named {name!r}")
-        if not secrets.compare_digest(token, tenant.token):
+        if not _same_token(token, tenant.token):
             raise Forbidden(f"wrong token for tenant {name!r}")
         if tenant.leased:
             raise Conflict(f"tenant {name!r} already has a handle channel")
@@ -350,3 +365,8 @@ class Service:
                     assert self.pool.owner(page.page_id) == Owner(tenant.tenant_id, seg, lp)
             mapped += tenant.mapped_bytes
         assert mapped + self.pool.free_bytes == self.pool.capacity_bytes, "bytes lost"
+
+
+def _same_token(given: str, expected: str) -> bool:
+    """Constant-time comparison that accepts any string (compare_digest refuses non-ASCII str)."""
+    return secrets.compare_digest(given.encode(), expected.encode())

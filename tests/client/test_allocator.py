@@ -157,3 +157,8 @@ def test_straddling_block_needs_both_pages() -> None:
     with pytest.raises(BadRequest):
         alloc.remove_page(1)  # the straddler is live and touches page 1
     alloc.check()
+
+
+def test_a_block_larger_than_a_page_is_refused() -> None:
+    with pytest.raises(BadRequest, match="does not fit in a page"):
+        BlockAllocator(4, 1024, 2048)

@@ -310,6 +310,8 @@ def test_an_extra_frame_on_an_attached_channel_ends_the_lease(
             assert_closed_elsewhere(read_end)
         finally:
             os.close(read_end)
+        notice, fds = recv_frame(sock)  # the client is told before the channel closes
+        assert notice["notice"] == "revoked" and fds == []
         assert_eof(sock)
         status = client.status()
         assert "a" not in rows(status)

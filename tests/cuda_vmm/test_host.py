@@ -152,3 +152,10 @@ def test_close_unmaps_and_frees_everything() -> None:
         os.fstat(fd)
     with pytest.raises(BackendError, match="not started"):
         backend.reserve(PAGE_BYTES)
+
+
+def test_the_pool_file_cannot_be_resized(host: HostBackend) -> None:
+    with pytest.raises(OSError):
+        os.ftruncate(host.pool_fd, 0)
+    with pytest.raises(OSError):
+        os.ftruncate(host.pool_fd, (host.num_pages + 1) * PAGE_BYTES)

@@ -180,7 +180,7 @@ def test_lowering_a_limit_below_mapped_asks_for_pages_back(h: Harness) -> None:
     h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0, 1, 2]))  # 6 pages
     h.ok("set_limit", name="a", max_bytes=3 * PAGE_BYTES)
     assert h.leases.notices == [
-        (reg["tenant_id"], {"notice": "reclaim", "tenant": "a", "num_pages": 2})
+        (reg["tenant_id"], {"notice": "reclaim", "args": {"tenant": "a", "num_pages": 2}})
     ]
     assert h.error("set_limit", name="a") == "BAD_REQUEST"
 
@@ -246,3 +246,20 @@ def test_random_bytes_never_break_the_service(h: Harness) -> None:
         payload = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
         assert h.raw(payload)["ok"] is False
     h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0]))
+
+
+def test_a_non_ascii_token_is_forbidden_not_a_crash(h: Harness) -> None:
+    h.register("a")
+    assert h.error("grow", **h.auth("a", "é" * 8, logical_pages=[0])) == "FORBIDDEN"
+
+
+def test_max_bytes_is_clamped_to_capacity(h: Harness) -> None:
+    h.register("a", max_bytes=2**62)
+    assert h.ok("status")["tenants"][0]["max_bytes"] == NUM_PAGES * PAGE_BYTES
+
+
+def test_huge_grow_is_refused_before_any_work(h: Harness) -> None:
+    big = {**small_spec(num_layers=2048).to_wire()}
+    reg = h.ok("register", name="big", spec=big, num_virtual_pages=1 << 16)
+    h.service.attach("big", reg["token"], pid=1)
+    assert h.error("grow", **h.auth("big", reg["token"], logical_pages=list(range(60000)))) == "NO_MEMORY"

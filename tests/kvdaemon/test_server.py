@@ -1,0 +1,68 @@
+"""Server-level faults: failed sends during an op, bad attach tokens, revoked leases."""
+
+from __future__ import annotations
+
+import socket
+import time
+from contextlib import closing
+
+import pytest
+
+from kvdaemon.client import KVSpec, PoolExhausted
+from kvdaemon.errors import DaemonUnreachable
+from kvdaemon.handles import recv_frame, send_frame
+
+from ..conftest import RunningDaemon, small_spec
+
+
+def wait_until(predicate: object, timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_a_send_failing_inside_grow_does_not_hang_the_daemon(kvd: RunningDaemon) -> None:
+    client = kvd.client(timeout_s=1.0)
+    lease = client.lease("a", small_spec(), num_virtual_pages=4)
+    conn = kvd.daemon._leases[lease.tenant_id]
+
+    def broken_pipe() -> bool:
+        raise BrokenPipeError("peer gone")
+
+    conn.outbox.flush = broken_pipe  # type: ignore[method-assign]
+    with pytest.raises(DaemonUnreachable):
+        lease.grow([0])  # the grant's fds can never arrive
+    status = kvd.client().status()  # the daemon still serves, and the lease is over
+    assert status["tenants"] == [] and status["free_bytes"] == status["capacity_bytes"]
+    kvd.check_invariants()
+    client.close()
+
+
+def test_non_ascii_attach_token_is_refused(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    client.call("register", {"name": "a", "spec": small_spec().to_wire(), "num_virtual_pages": 2})
+    with closing(socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)) as sock:
+        sock.settimeout(5)
+        sock.connect(str(client.paths.handle_socket))
+        send_frame(sock, {"tenant": "a", "token": "ü" * 32})
+        body, _ = recv_frame(sock)
+        assert body["error"]["code"] == "FORBIDDEN"
+    assert client.status()["tenants"][0]["name"] == "a"
+
+
+def test_revoked_pool_unmaps_and_refuses_alloc(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
+    pool = client.register("a", spec)
+    pool.alloc(8)
+    assert pool.lease._sock is not None
+    send_frame(pool.lease._sock, {"unexpected": True})  # a protocol violation
+    wait_until(lambda: pool.agent.revoked)
+    assert pool.mapped_bytes == 0
+    with pytest.raises(PoolExhausted, match="revoked"):
+        pool.alloc(pool.num_blocks)
+    status = client.status()
+    assert status["tenants"] == [] and status["free_bytes"] == status["capacity_bytes"]
+    pool.close()
+    client.close()
