@@ -67,6 +67,7 @@ class Daemon:
         self._poller = zmq.Poller()
         self._stopping = False
         self.attach_timeout_s = ATTACH_TIMEOUT_S
+        self._next_expiry_check = 0.0
 
     # -- setup -----------------------------------------------------------------
 
@@ -150,7 +151,9 @@ class Daemon:
                 if events.get(self._wake_r):
                     os.read(self._wake_r, 64)
                 self._close_dead()
-                self._expire_unattached()
+                if time.monotonic() >= self._next_expiry_check:
+                    self._next_expiry_check = time.monotonic() + POLL_MS / 1000
+                    self._expire_unattached()
         finally:
             self._shutdown()
 
