@@ -225,7 +225,11 @@ class BlockAllocator:
                 f"block {block_ids[num_marked]!r} is not allocated "
                 "(double free, repeated or unknown id)"
             ) from exc
-        if self.aligned:
+        if self.aligned and len(block_ids) > 1 and (
+            min(block_ids) // self.blocks_per_page == max(block_ids) // self.blocks_per_page
+        ):
+            self._free_within_page(block_ids)  # the common case: one page, one update
+        elif self.aligned:
             use, free, bpp = self._use, self._free, self.blocks_per_page
             with_free, spare = self._with_free, self.spare
             for block in block_ids:
@@ -246,6 +250,18 @@ class BlockAllocator:
                     self._release_use(page + 1)
         self.num_free += len(block_ids)
         self.num_live -= len(block_ids)
+
+    def _free_within_page(self, block_ids: list[int]) -> None:
+        """Free validated ``block_ids`` that all sit on one page (aligned geometry)."""
+        live = self._live
+        for block in block_ids:
+            live[block] = 0
+        page = block_ids[0] // self.blocks_per_page
+        self._free[page].extend(block_ids)
+        self._with_free.add(page)
+        self._use[page] -= len(block_ids)
+        if not self._use[page]:
+            self.spare.add(page)
 
     def _give_back(self, page: int, block: int) -> None:
         self._free[page].append(block)

