@@ -17,23 +17,22 @@ import logging
 import os
 import secrets
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvdaemon import __version__
-from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
+from kvdaemon.cuda_vmm.backend import Backend
 from kvdaemon.errors import (
-    Asleep, BackendError, BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit,
-    StaleRevision, UnknownOp, UnknownTenant, VersionMismatch,
+    BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, UnknownOp, UnknownTenant,
+    VersionMismatch,
 )
-from kvdaemon.handles import MAX_FDS_PER_FRAME
+from kvdaemon.grants import Grants
+from kvdaemon.limits import MAX_WEIGHT, apply_limit
 from kvdaemon.pool import Owner, PagePool
 from kvdaemon.protocol import MAX_INT, PROTOCOL_VERSION, Args, decode, reply_error, reply_ok
 from kvdaemon.tenant import Tenant, WireSpec, check_name
 
 log = logging.getLogger("kvdaemon.service")
-MAX_WEIGHT = 1e6
 
 
 class LeasePort(Protocol):
@@ -65,14 +64,12 @@ class Service:
         self.backend = backend
         self.pool = PagePool(backend)
         self.leases = leases
-        self.on_grant = on_grant
-        self.on_shrink = on_shrink
         self.lock = threading.Lock()
         self.tenants: dict[str, Tenant] = {}
         self.by_id: dict[int, Tenant] = {}
         self.shutdown_requested = False
         self._next_tenant_id = 1
-        self._next_grant_id = 1
+        self.grants = Grants(self.pool, leases, on_grant, on_shrink)
         self._ops: dict[str, Callable[[Args, bytes], Any]] = {
             "hello": self.op_hello, "register": self.op_register, "grow": self.op_grow,
             "shrink": self.op_shrink, "heartbeat": self.op_heartbeat,
@@ -174,81 +171,14 @@ class Service:
         }
 
     def op_grow(self, args: Args, _rid: bytes) -> dict[str, Any]:
-        started = time.perf_counter()
         tenant = self._tenant(args)
         wanted = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1)
-        if tenant.state != "active":
-            raise Asleep(f"tenant {tenant.name!r} is {tenant.state}; wake it first")
-        if not tenant.leased:
-            raise Conflict(f"tenant {tenant.name!r} has not attached its handle channel")
-        held = [lp for lp in wanted if lp in tenant.logical]
-        if held:
-            raise BadRequest(f"logical pages {held[:8]} are already mapped")
-        if len(wanted) * tenant.spec.num_segments > self.pool.num_free:
-            raise NoMemory(
-                f"{len(wanted)} logical pages need {len(wanted) * tenant.spec.num_segments} "
-                f"pages, {self.pool.num_free} free"
-            )
-        new_bytes = tenant.mapped_bytes + len(wanted) * tenant.logical_page_bytes
-        if new_bytes > tenant.max_bytes:
-            raise OverLimit(
-                f"tenant {tenant.name!r} would hold {new_bytes} bytes, over its limit of "
-                f"{tenant.max_bytes}"
-            )
-        owners = [
-            Owner(tenant.tenant_id, seg, lp) for lp in wanted for seg in range(tenant.spec.num_segments)
-        ]
-        pages = self.pool.alloc(owners)
-        frames = self._export(pages)
-        grant_id = self._next_grant_id
-        self._next_grant_id += 1
-        page_ids = [p.page_id for p in pages]
-        nseg = tenant.spec.num_segments
-        for i, lp in enumerate(wanted):
-            tenant.logical[lp] = pages[i * nseg : (i + 1) * nseg]
-        tenant.touch()
-        for start, fds, fd_index in frames:
-            chunk = page_ids[start : start + len(fd_index)]
-            self.leases.send_grant(tenant.tenant_id, grant_id, chunk, fds, fd_index)
-        if self.on_grant is not None:
-            self.on_grant(time.perf_counter() - started, len(pages))
-        return {
-            "grant_id": grant_id,
-            "pages": [[lp, page_ids[i * nseg : (i + 1) * nseg]] for i, lp in enumerate(wanted)],
-        }
-
-    def _export(self, pages: list[PhysicalPage]) -> list[tuple[int, list[int], list[int]]]:
-        """Export ``pages`` in frames of at most ``MAX_FDS_PER_FRAME`` pages.
-
-        Returns ``(first page index, fds, fd index per page)`` per frame. On a
-        backend error the pages go back to the pool and no fd is left open.
-        """
-        frames: list[tuple[int, list[int], list[int]]] = []
-        try:
-            for start in range(0, len(pages), MAX_FDS_PER_FRAME):
-                fds, fd_index = self.backend.export_pages(pages[start : start + MAX_FDS_PER_FRAME])
-                frames.append((start, fds, fd_index))
-        except BackendError:
-            for _, fds, _ in frames:
-                for fd in fds:
-                    os.close(fd)
-            self.pool.free([p.page_id for p in pages])
-            raise
-        return frames
+        return self.grants.grow(tenant, wanted)
 
     def op_shrink(self, args: Args, _rid: bytes) -> dict[str, Any]:
         tenant = self._tenant(args)
         wanted = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1)
-        missing = [lp for lp in wanted if lp not in tenant.logical]
-        if missing:
-            raise BadRequest(f"logical pages {missing[:8]} are not mapped for {tenant.name!r}")
-        for lp in wanted:
-            self.pool.free([p.page_id for p in tenant.logical[lp]])
-            del tenant.logical[lp]
-        tenant.touch()
-        if self.on_shrink is not None:
-            self.on_shrink(len(wanted) * tenant.spec.num_segments)
-        return {"num_released": len(wanted), "mapped_bytes": tenant.mapped_bytes}
+        return self.grants.shrink(tenant, wanted)
 
     def op_heartbeat(self, args: Args, _rid: bytes) -> dict[str, Any]:
         tenant = self._tenant(args)
@@ -269,49 +199,11 @@ class Service:
 
     def op_set_limit(self, args: Args, _rid: bytes) -> dict[str, Any]:
         tenant = self._named(args)
-        old_max, old_min, old_weight = tenant.limit_values
-        max_bytes = args.opt_int("max_bytes", 0, MAX_INT)
-        min_bytes = args.opt_int("min_bytes", 0, MAX_INT)
-        weight = args.opt_float("weight", 1e-6, MAX_WEIGHT)
-        if max_bytes is None and min_bytes is None and weight is None:
-            raise BadRequest("set_limit needs at least one of max_bytes, min_bytes, weight")
-        values = (
-            old_max if max_bytes is None else min(max_bytes, self.pool.capacity_bytes),
-            old_min if min_bytes is None else min_bytes,
-            old_weight if weight is None else weight,
-        )
-        revision = args.opt_int("revision", 1, MAX_INT)
-        if revision is None:
-            revision = tenant.limit_revision + 1
-        if revision < tenant.limit_revision:
-            raise StaleRevision(
-                f"revision {revision} is older than {tenant.name!r}'s {tenant.limit_revision}"
-            )
-        if revision == tenant.limit_revision:
-            if values != tenant.limit_values:
-                raise Conflict(f"revision {revision} was already applied with other values")
-            return {"result": "applied", "revision": revision, "changed": False}
-        if values[1] > values[0]:
-            raise BadRequest(f"min_bytes {values[1]} exceeds max_bytes {values[0]}")
         others = sum(t.min_bytes for t in self.tenants.values() if t is not tenant)
-        if others + values[1] > self.pool.capacity_bytes:
-            raise NoMemory(f"min_bytes {values[1]} does not fit next to {others} guaranteed")
-        tenant.max_bytes, tenant.min_bytes, tenant.weight = values
-        tenant.limit_values = values
-        tenant.limit_revision = revision
-        self._ask_back_excess(tenant)
-        log.info("limits of %s now max=%d min=%d weight=%g (rev %d)", tenant.name, *values, revision)
-        return {"result": "applied", "revision": revision, "changed": True}
-
-    def _ask_back_excess(self, tenant: Tenant) -> None:
-        """Ask a tenant over its limit to return the logical pages above it."""
-        excess = tenant.mapped_bytes - tenant.max_bytes
-        if excess > 0 and tenant.leased:
-            num_pages = -(-excess // tenant.logical_page_bytes)
-            self.leases.send_notice(
-                tenant.tenant_id,
-                {"notice": "reclaim", "args": {"tenant": tenant.name, "num_pages": num_pages}},
-            )
+        result = apply_limit(tenant, args, self.pool.capacity_bytes, others)
+        if result["changed"]:
+            self.grants.ask_back_excess(tenant)
+        return result
 
     def op_shutdown(self, _args: Args, _rid: bytes) -> dict[str, Any]:
         self.shutdown_requested = True
