@@ -1,9 +1,9 @@
 """The daemon process: sockets, the event loop, leases.
 
 One thread runs everything that changes state: it polls the ZeroMQ ROUTER
-(control), the AF_UNIX handle listener and every handle connection, and a
-wake-up pipe that ``stop()`` writes to. Handle connections are non-blocking and
-buffered (``Outbox``), so no client can stall the loop.
+(control), the handle channel (``LeaseTable``: listener and connections) and a
+wake-up pipe that ``stop()`` writes to. No client can stall the loop: replies
+that cannot go out are dropped, handle frames are buffered.
 
 Leases: a tenant's handle connection is its lease. When it reaches EOF (the
 engine exited or was killed), the tenant is removed and its pages freed in the
@@ -17,16 +17,14 @@ from __future__ import annotations
 import logging
 import os
 import resource
-import socket
 import time
-from dataclasses import dataclass, field
 
 import zmq
 
 from kvdaemon.config import DaemonConfig
 from kvdaemon.cuda_vmm import open_backend
-from kvdaemon.errors import BadRequest, KVDaemonError
-from kvdaemon.handles import Outbox, check_same_uid, close_fds, recv_frame
+from kvdaemon.errors import BadRequest
+from kvdaemon.lease_table import LeaseTable
 from kvdaemon.metrics import Metrics
 from kvdaemon.paths import DaemonPaths
 from kvdaemon.protocol import MAX_MESSAGE_BYTES, notice, reply_error
@@ -35,18 +33,6 @@ from kvdaemon.service import Service
 log = logging.getLogger("kvdaemon.server")
 ATTACH_TIMEOUT_S = 10.0
 POLL_MS = 100
-MAX_UNATTACHED = 256
-
-
-@dataclass
-class _Conn:
-    """One accepted handle connection; ``tenant_id`` is set once attached."""
-
-    sock: socket.socket
-    outbox: Outbox
-    pid: int
-    accepted_at: float = field(default_factory=time.monotonic)
-    tenant_id: int | None = None
 
 
 class Daemon:
@@ -59,12 +45,10 @@ class Daemon:
         self.metrics: Metrics | None = None
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
-        self._listener: socket.socket | None = None
-        self._conns: dict[int, _Conn] = {}
-        self._leases: dict[int, _Conn] = {}
-        self._dead: list[tuple[_Conn, str]] = []  # failed sends, closed after the current op
         self._wake_r, self._wake_w = -1, -1
         self._poller = zmq.Poller()
+        self.leases = LeaseTable(self._poller, self._attach, self._end_lease)
+        self._listener_fd = -1
         self._stopping = False
         self.attach_timeout_s = ATTACH_TIMEOUT_S
         self._next_expiry_check = 0.0
@@ -82,16 +66,18 @@ class Daemon:
         backend = open_backend(
             kind, num_pages=num_pages, page_size_bytes=cfg.page_size_bytes, device=cfg.device
         )
-        self.service = Service(backend, self, on_grant=self._on_grant, on_shrink=self._on_shrink)
+        self.service = Service(
+            backend, self.leases, on_grant=self._on_grant, on_shrink=self._on_shrink
+        )
         old_umask = os.umask(0o077)
         try:
             self._bind_control()
-            self._bind_handles()
+            self._listener_fd = self.leases.bind(str(self.paths.handle_socket))
+            os.chmod(self.paths.handle_socket, 0o600)
         finally:
             os.umask(old_umask)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poller.register(self._router, zmq.POLLIN)
-        self._poller.register(self._listener.fileno(), zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         if cfg.idle_sleep_s is not None:
             log.warning("--idle-sleep is not implemented yet (sleep and wake arrive later); ignored")
@@ -113,14 +99,6 @@ class Daemon:
         os.chmod(self.paths.control_socket, 0o600)
         self._router = router
 
-    def _bind_handles(self) -> None:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind(str(self.paths.handle_socket))
-        os.chmod(self.paths.handle_socket, 0o600)
-        listener.listen(64)
-        listener.setblocking(False)
-        self._listener = listener
-
     def stop(self) -> None:
         """Ask the loop to stop. Safe from any thread and from a signal handler."""
         self._stopping = True
@@ -140,17 +118,12 @@ class Daemon:
                 events = dict(self._poller.poll(POLL_MS))
                 if events.get(self._router):
                     self._drain_control()
-                if events.get(self._listener.fileno()):
-                    self._accept()
-                for fd, conn in list(self._conns.items()):
-                    flags = events.get(fd, 0)
-                    if flags & zmq.POLLOUT:
-                        self._flush(conn)
-                    if flags & (zmq.POLLIN | zmq.POLLERR):
-                        self._read_handle(conn)
+                if events.get(self._listener_fd):
+                    self.leases.accept()
+                self.leases.handle_events(events)
                 if events.get(self._wake_r):
                     os.read(self._wake_r, 64)
-                self._close_dead()
+                self.leases.close_dead()
                 if time.monotonic() >= self._next_expiry_check:
                     self._next_expiry_check = time.monotonic() + POLL_MS / 1000
                     self._expire_unattached()
@@ -182,102 +155,21 @@ class Daemon:
 
     # -- handle channel --------------------------------------------------------
 
-    def _accept(self) -> None:
-        assert self._listener is not None
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:  # out of fds: refuse new peers, keep serving the rest
-                log.warning("cannot accept a handle connection: %s", exc)
-                return
-            if sum(1 for c in self._conns.values() if c.tenant_id is None) >= MAX_UNATTACHED:
-                log.warning("too many unattached handle connections; refusing one")
-                sock.close()
-                continue
-            try:
-                pid = check_same_uid(sock)
-            except KVDaemonError as exc:
-                log.warning("refused handle connection: %s", exc)
-                sock.close()
-                continue
-            sock.setblocking(False)
-            conn = _Conn(sock, Outbox(sock), pid)
-            self._conns[sock.fileno()] = conn
-            self._poller.register(sock.fileno(), zmq.POLLIN)
-
-    def _read_handle(self, conn: _Conn) -> None:
-        try:
-            body, fds = recv_frame(conn.sock)
-        except BlockingIOError:
-            return
-        except (ConnectionError, OSError, KVDaemonError) as exc:
-            self._close_conn(conn, f"handle channel closed: {exc}")
-            return
-        close_fds(fds)  # clients never send fds
-        if conn.tenant_id is not None:
-            conn.outbox.push({"notice": "revoked", "args": {"why": "unexpected frame"}})
-            self._flush(conn)
-            self._close_conn(conn, "unexpected frame on an attached handle channel")
-            return
-        self._attach(conn, body)
-
-    def _attach(self, conn: _Conn, body: dict) -> None:
+    def _attach(self, name: str, token: str, pid: int) -> int:
         assert self.service is not None
-        name, token = body.get("tenant"), body.get("token")
-        try:
-            if not isinstance(name, str) or not isinstance(token, str):
-                raise BadRequest("attach needs string fields 'tenant' and 'token'")
-            with self.service.lock:
-                tenant = self.service.attach(name, token, conn.pid)
-        except KVDaemonError as exc:
-            conn.outbox.push({"ok": False, "error": {"code": exc.code, "message": exc.message}})
-            self._flush(conn)
-            self._close_conn(conn, f"attach refused: {exc}")
-            return
-        conn.tenant_id = tenant.tenant_id
-        self._leases[tenant.tenant_id] = conn
-        conn.outbox.push({"ok": True, "tenant_id": tenant.tenant_id})
-        self._flush(conn)
-
-    def _flush(self, conn: _Conn) -> None:
-        """Send what the socket takes. A failed send only marks the connection: it may
-        run inside an op that holds the service lock, so the close waits for ``_close_dead``."""
-        try:
-            done = conn.outbox.flush()
-        except OSError as exc:
-            self._dead.append((conn, f"send failed: {exc}"))
-            return
-        flags = zmq.POLLIN if done else zmq.POLLIN | zmq.POLLOUT
-        fd = conn.sock.fileno()
-        if fd in self._conns:
-            self._poller.register(fd, flags)
-
-    def _close_dead(self) -> None:
-        while self._dead:
-            conn, why = self._dead.pop()
-            self._close_conn(conn, why)
-
-    def _close_conn(self, conn: _Conn, why: str, expired: bool = True) -> None:
-        """Close a handle connection; an attached one ends its tenant's lease."""
-        assert self.service is not None
-        fd = conn.sock.fileno()
-        if self._conns.pop(fd, None) is None:
-            return
-        self._poller.unregister(fd)
-        conn.outbox.discard()
-        conn.sock.close()
-        if conn.tenant_id is None:
-            return
-        self._leases.pop(conn.tenant_id, None)
         with self.service.lock:
-            tenant = self.service.by_id.get(conn.tenant_id)
-            if tenant is not None:
-                log.info("lease of %s ended (%s)", tenant.name, why)
-                self.service.remove(tenant)
-                if expired and self.metrics is not None:
-                    self.metrics.count_lease_expiry()
+            return self.service.attach(name, token, pid).tenant_id
+
+    def _end_lease(self, tenant_id: int, why: str, expired: bool) -> None:
+        assert self.service is not None
+        with self.service.lock:
+            tenant = self.service.by_id.get(tenant_id)
+            if tenant is None:
+                return
+            log.info("lease of %s ended (%s)", tenant.name, why)
+            self.service.remove(tenant)
+        if expired and self.metrics is not None:
+            self.metrics.count_lease_expiry()
 
     def _expire_unattached(self) -> None:
         assert self.service is not None
@@ -290,31 +182,7 @@ class Daemon:
             for tenant in stale:
                 log.info("tenant %s never attached its handle channel; dropped", tenant.name)
                 self.service.remove(tenant)
-        for conn in list(self._conns.values()):
-            if conn.tenant_id is None and now - conn.accepted_at > self.attach_timeout_s:
-                self._close_conn(conn, "no attach frame in time")
-
-    # -- LeasePort (called by the service) -------------------------------------
-
-    def send_grant(
-        self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int],
-        fd_index: list[int],
-    ) -> None:
-        conn = self._leases[tenant_id]
-        conn.outbox.push_grant(grant_id, page_ids, fds, fd_index)
-        self._flush(conn)
-
-    def send_notice(self, tenant_id: int, body: dict) -> None:
-        conn = self._leases.get(tenant_id)
-        if conn is not None:
-            conn.outbox.push(body)
-            self._flush(conn)
-
-    def drop_lease(self, tenant_id: int) -> None:
-        conn = self._leases.pop(tenant_id, None)
-        if conn is not None:
-            conn.tenant_id = None
-            self._close_conn(conn, "unregistered")
+        self.leases.expire(now, self.attach_timeout_s)
 
     # -- metrics ---------------------------------------------------------------
 
@@ -338,8 +206,7 @@ class Daemon:
         log.info("kvdaemon shutting down")
         for tenant in list(self.service.tenants.values()):
             self._send_control(tenant.routing_id, notice("shutdown", {"tenant": tenant.name}))
-        for conn in list(self._conns.values()):
-            self._close_conn(conn, "daemon shutting down", expired=False)
+        self.leases.close_all()
         with self.service.lock:
             for tenant in list(self.service.tenants.values()):
                 self.service.remove(tenant)
@@ -350,8 +217,6 @@ class Daemon:
             self._router.close(linger=500)  # let the last replies and notices out
         if self._ctx is not None:
             self._ctx.term()
-        if self._listener is not None:
-            self._listener.close()
         for path in self.paths.sockets():
             path.unlink(missing_ok=True)
         for fd in (self._wake_r, self._wake_w):

@@ -25,7 +25,7 @@ def wait_until(predicate: object, timeout_s: float = 3.0) -> None:
 def test_a_send_failing_inside_grow_does_not_hang_the_daemon(kvd: RunningDaemon) -> None:
     client = kvd.client(timeout_s=1.0)
     lease = client.lease("a", small_spec(), num_virtual_pages=4)
-    conn = kvd.daemon._leases[lease.tenant_id]
+    conn = kvd.daemon.leases.leases[lease.tenant_id]
 
     def broken_pipe() -> bool:
         raise BrokenPipeError("peer gone")
