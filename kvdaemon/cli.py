@@ -10,23 +10,33 @@ from __future__ import annotations
 import functools
 import json
 import os
+import select
 import sys
-from collections.abc import Callable
+import termios
+import time
+import tty
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.live import Live
 
-from kvdaemon import __version__, lifecycle, status_view
+from kvdaemon import __version__, lifecycle, status_view, top_view
+from kvdaemon.client import KVClient
 from kvdaemon.config import BACKENDS, LOG_LEVELS, dir_from, load_config
 from kvdaemon.errors import ConfigError, DaemonUnreachable, KVDaemonError
+from kvdaemon.paths import DaemonPaths
 from kvdaemon.sizes import SizeSpec, format_bytes, parse_size
 
 EXIT_UNREACHABLE = 1
 EXIT_USAGE = 2
 EXIT_DAEMON_ERROR = 3
 PIPE_WIDTH = 200
+TOP_STATUS_TIMEOUT_S = 2.0  # a hung daemon freezes `top` at most this long per refresh
+QUIT_KEYS = b"qQ"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -76,6 +86,12 @@ def _dir_option(command: F) -> F:
 
 def _daemon_dir(dir_flag: Path | None) -> Path:
     return dir_from(dir_flag, os.environ)
+
+
+def _stdout_console() -> Console:
+    """A console on stdout; piped output is not cut to 80 columns, so long
+    tenant names stay greppable."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else PIPE_WIDTH)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -143,9 +159,7 @@ def status(dir_flag: Path | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(snapshot, indent=2))
         return
-    # Piped output is not cut to 80 columns: long tenant names stay greppable.
-    width = None if sys.stdout.isatty() else PIPE_WIDTH
-    status_view.render(Console(highlight=False, width=width), root, snapshot)
+    status_view.render(_stdout_console(), root, snapshot)
 
 
 @main.command()
@@ -189,3 +203,93 @@ def _limit_summary(name: str, result: dict[str, Any], tenants: list[dict[str, An
                 f"(revision {revision})"
             )
     return f"{name}: limits applied (revision {revision})"
+
+
+@main.command()
+@_dir_option
+@click.option("--once", is_flag=True, help="Print one frame and exit.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              metavar="SECONDS", help="Seconds between refreshes.")
+@_reporting_errors
+def top(dir_flag: Path | None, once: bool, interval: float) -> None:
+    """Live view of capacity, free memory and every tenant; q or Ctrl-C quits.
+
+    Exits 1 when no daemon answers at the start; a daemon that goes away
+    later is shown as unreachable and polled until it is back.
+    """
+    root = _daemon_dir(dir_flag)
+    with lifecycle.connect(root, timeout_s=TOP_STATUS_TIMEOUT_S) as client:
+        snapshot = client.status()
+        if once:
+            _stdout_console().print(top_view.frame(root, snapshot))
+            return
+        try:
+            _live_top(client, root, snapshot, interval)
+        except KeyboardInterrupt:
+            pass  # Ctrl-C is the other way to quit; the terminal is restored by then
+
+
+def _live_top(client: KVClient, root: Path, first: dict[str, Any], interval: float) -> None:
+    """Redraw a frame every ``interval`` seconds until ``q`` is read from a TTY stdin.
+
+    The terminal's settings are restored on every way out, Ctrl-C included.
+    """
+    footer = f"every {interval:g}s · q or Ctrl-C quits"
+    with _keys(sys.stdin) as keys_fd, Live(
+        top_view.frame(root, first, footer), console=Console(highlight=False),
+        auto_refresh=False,
+    ) as live:  # fmt: skip
+        while not _quit_pressed(keys_fd, interval):
+            live.update(top_view.frame(root, _poll_status(client, root), footer), refresh=True)
+
+
+@contextmanager
+def _keys(stream: IO[str] | None) -> Iterator[int | None]:
+    """Yield the fd to read keys from, in cbreak mode, when ``stream`` is a TTY (else None).
+
+    The TTY's settings are restored on exit, however the block ends.
+    """
+    if stream is None or not stream.isatty():
+        yield None
+        return
+    fd = stream.fileno()
+    saved = termios.tcgetattr(fd)
+    try:
+        tty.setcbreak(fd, termios.TCSANOW)  # TCSANOW keeps a key typed early
+        yield fd
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+
+
+def _quit_pressed(keys_fd: int | None, timeout_s: float) -> bool:
+    """Wait ``timeout_s`` for a quit key; True as soon as one (or the TTY's end) is read.
+
+    Other keys are ignored without ending the wait early. Without a keys fd,
+    just sleeps and returns False.
+    """
+    if keys_fd is None:
+        time.sleep(timeout_s)
+        return False
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([keys_fd], [], [], left)
+        if not ready:
+            return False
+        data = os.read(keys_fd, 64)
+        if not data or any(key in QUIT_KEYS for key in data):
+            return True
+    return False
+
+
+def _poll_status(client: KVClient, root: Path) -> dict[str, Any] | None:
+    """The daemon's status object, or None when no daemon runs or answers at ``root``.
+
+    A daemon found dead by its lock costs no timeout; a hung one costs at most
+    the client's timeout. The client reconnects by itself to a new daemon.
+    """
+    if lifecycle.running_pid(DaemonPaths(root)) is None:
+        return None
+    try:
+        return client.status()
+    except DaemonUnreachable:
+        return None
