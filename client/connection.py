@@ -61,7 +61,6 @@ class KVClient:
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.timeout_s * 1000)))
             sock.connect(self.paths.control_endpoint)
             self._sock = sock
         return self._sock
@@ -71,15 +70,20 @@ class KVClient:
             self._sock.close(linger=0)
             self._sock = None
 
-    def call(self, op: str, args: dict[str, Any] | None = None) -> Any:
-        """Send one request and return its result; raise the error the daemon replied with."""
+    def call(self, op: str, args: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
+        """Send one request and return its result; raise the error the daemon replied with.
+
+        ``timeout_s`` (default: the client's) bounds the wait for this reply.
+        """
         with self._lock:
             if self.daemon_info is None and op != "hello":
                 self._hello_locked()
-            return self._call_locked(op, args or {})
+            return self._call_locked(op, args or {}, timeout_s)
 
-    def _call_locked(self, op: str, args: dict[str, Any]) -> Any:
+    def _call_locked(self, op: str, args: dict[str, Any], timeout_s: float | None = None) -> Any:
         sock = self._socket()
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        sock.setsockopt(zmq.RCVTIMEO, max(1, int(wait_s * 1000)))
         request_id = next(self._ids)
         sock.send(request(request_id, op, args))
         while True:
@@ -131,6 +135,19 @@ class KVClient:
                 args[key] = value
         return self.call("set_limit", args)
 
+    def sleep(self, name: str, mode: str = "warm", timeout_s: float = 60.0) -> dict[str, Any]:
+        """Put tenant ``name`` to sleep and return once it sleeps.
+
+        ``warm`` keeps its KV in host memory (restored on wake at the same
+        addresses); ``cold`` drops it. Raises ``Conflict`` if the engine does
+        not quiesce in time (then nothing was freed).
+        """
+        return self.call("sleep", {"name": name, "mode": mode}, timeout_s=timeout_s)
+
+    def wake(self, name: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Wake tenant ``name``: fresh pages at the same addresses, bytes restored if warm."""
+        return self.call("wake", {"name": name}, timeout_s=timeout_s)
+
     def shutdown(self) -> None:
         """Ask the daemon to exit (it releases every page first)."""
         self.call("shutdown")
@@ -146,6 +163,7 @@ class KVClient:
         virtual_bytes: int | None = None,
         num_spare_pages: int = 2,
         num_prefetch_pages: int = 1,
+        auto_wake: bool = False,
     ) -> KVPool:
         """Register a tenant and return its started ``KVPool``.
 
@@ -163,7 +181,9 @@ class KVClient:
             name, spec, num_virtual_pages=num_virtual_pages, max_bytes=max_bytes,
             min_bytes=min_bytes, weight=weight,
         )
-        pool = KVPool(lease, spec, num_virtual_pages, num_spare_pages, num_prefetch_pages)
+        pool = KVPool(
+            lease, spec, num_virtual_pages, num_spare_pages, num_prefetch_pages, auto_wake
+        )
         try:
             pool.start()
         except KVDaemonError:

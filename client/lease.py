@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvdaemon.client.connection import KVClient
 
 
+
 class Lease:
     """A tenant registered through ``KVClient.lease``."""
 
@@ -43,6 +44,9 @@ class Lease:
         self.page_size_bytes: int = reply["page_size"]
         self.num_segments: int = reply["num_segments"]
         self.backend = client.backend()
+        # Our own control connection: a caller blocked on the user's client (a sleep
+        # waiting for us to quiesce) must never block our answers.
+        self.control = type(client)(client.dir, timeout_s=client.timeout_s)
         self.on_notice: Callable[[dict[str, Any]], None] | None = None
         self.lost = threading.Event()  # set when the handle channel closes under us
         self._sock: socket.socket | None = None
@@ -98,13 +102,23 @@ class Lease:
         Returns ``{logical_page: [page of segment 0, 1, ...]}``. Raises
         ``NoMemory``/``OverLimit``/``Asleep`` from the daemon, with nothing granted.
         """
-        reply = self.client.call("grow", self._args(logical_pages=list(logical_pages)))
-        page_ids = [pid for _, ids in reply["pages"] for pid in ids]
-        imported = self._receive(reply["grant_id"], page_ids)
+        reply = self.control.call("grow", self._args(logical_pages=list(logical_pages)))
+        return self.receive_grant(reply["grant_id"], reply["pages"])
+
+    def receive_grant(self, grant_id: int, pages: list[list[Any]]) -> dict[int, list[PhysicalPage]]:
+        """Import the fds of grant ``grant_id`` (``pages``: ``[[lp, [page ids]], ...]``)."""
+        page_ids = [pid for _, ids in pages for pid in ids]
+        imported = self._receive(grant_id, page_ids)
         nseg = self.num_segments
-        return {
-            lp: imported[i * nseg : (i + 1) * nseg] for i, (lp, _) in enumerate(reply["pages"])
-        }
+        return {lp: imported[i * nseg : (i + 1) * nseg] for i, (lp, _) in enumerate(pages)}
+
+    def wake(self) -> dict[str, Any]:
+        """Ask the daemon to wake this tenant (the pool maps the grant when told)."""
+        return self.control.call("wake", {"name": self.name, "token": self.token})
+
+    def sleep_ready(self, sleep_id: int) -> dict[str, Any]:
+        """Tell the daemon our pages are unmapped for sleep ``sleep_id`` (it may refuse: too late)."""
+        return self.control.call("sleep_ready", self._args(sleep_id=sleep_id))
 
     def _receive(self, grant_id: int, page_ids: list[int]) -> list[PhysicalPage]:
         if self._sock is None:
@@ -138,13 +152,13 @@ class Lease:
 
     def shrink(self, logical_pages: list[int]) -> int:
         """Give logical pages back (already unmapped here); return how many went."""
-        reply = self.client.call("shrink", self._args(logical_pages=list(logical_pages)))
+        reply = self.control.call("shrink", self._args(logical_pages=list(logical_pages)))
         return int(reply["num_released"])
 
     def heartbeat(self, used_bytes: int | None = None) -> dict[str, Any]:
         """Tell the daemon we are alive and how many bytes of blocks we hold."""
         args = self._args() if used_bytes is None else self._args(used_bytes=used_bytes)
-        return self.client.call("heartbeat", args)
+        return self.control.call("heartbeat", args)
 
     def close(self) -> None:
         """Unregister (the daemon frees our pages) and close the handle channel."""
@@ -152,10 +166,11 @@ class Lease:
             return
         try:
             if not self.lost.is_set():
-                self.client.call("unregister", self._args())
+                self.control.call("unregister", self._args())
         finally:
             self._sock.shutdown(socket.SHUT_RDWR)
             if self._reader is not None:
                 self._reader.join(5)
             self._sock.close()
             self._sock = None
+            self.control.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvdaemon.client.allocator import BlockAllocator
@@ -31,6 +32,7 @@ from kvdaemon.client.lease import Lease
 from kvdaemon.client.pool_agent import PoolAgent
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import (
+    Asleep,
     BackendError, BadRequest, DaemonUnreachable, KVDaemonError, NoMemory, OverLimit, PoolExhausted,
 )
 
@@ -48,8 +50,15 @@ class KVPool:
         num_virtual_pages: int,
         num_spare_pages: int = 2,
         num_prefetch_pages: int = 1,
+        auto_wake: bool = False,
     ) -> None:
         self.lease = lease
+        self.auto_wake = auto_wake
+        self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
+        self.sleep_mode: str | None = None  # "warm"/"cold" while asleep
+        self.sleeping_allocator: BlockAllocator | None = None  # a warm sleeper's blocks
+        self.awake = threading.Event()
+        self.awake.set()
         self.spec = spec
         self.name = lease.name
         self.backend = lease.backend
@@ -176,15 +185,35 @@ class KVPool:
             if num_blocks > self.allocator.num_free:
                 if self._closed or self.agent.revoked:
                     raise PoolExhausted(f"pool {self.name!r} is closed or its lease was revoked")
+                if self.sleep_mode is not None:
+                    return self._alloc_asleep(num_blocks)
                 self._grow_for(num_blocks)
             return self.allocator.alloc(num_blocks)
         finally:
             self._release()
 
+    def _alloc_asleep(self, num_blocks: int) -> list[int]:
+        """Asleep: raise ``Asleep``, or with ``auto_wake`` wake the pool and allocate."""
+        if not self.auto_wake:
+            raise Asleep(f"pool {self.name!r} is sleeping ({self.sleep_mode}); wake it first")
+        self._release()  # the agent maps the wake grant under this lock
+        try:
+            self.lease.wake()
+            if not self.awake.wait(self.lease.control.timeout_s):
+                raise Asleep(f"pool {self.name!r} did not wake in time")
+        finally:
+            self._acquire()
+        if num_blocks > self.allocator.num_free:
+            self._grow_for(num_blocks)
+        return self.allocator.alloc(num_blocks)
+
     def free(self, block_ids: list[int]) -> None:
         """Return blocks; spare pages past ``num_spare_pages`` go back to the daemon."""
         self._acquire()
         try:
+            if self.sleeping_allocator is not None:  # warm sleep: the blocks live on
+                self.sleeping_allocator.free(block_ids)
+                return
             self.allocator.free(block_ids)
             extra = len(self.allocator.spare) - self.num_spare_pages
             if extra > 0:

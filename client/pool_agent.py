@@ -19,6 +19,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from kvdaemon.client.pool_sleep import sleep_pool, wake_pool
 from kvdaemon.errors import KVDaemonError
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class PoolAgent:
         self.revoked = False
         self._reclaim_pages = 0
         self._revoke_pending = False
+        self._sleeps: list[tuple[str, dict[str, Any]]] = []  # sleep/wake notices, in order
         self._notice_lock = threading.Lock()  # guards the two fields above; never held long
         self._wake = threading.Event()
         self._stopping = False
@@ -64,6 +66,8 @@ class PoolAgent:
                     self._reclaim_pages = max(self._reclaim_pages, num_pages)
             elif kind == "revoked":
                 self._revoke_pending = True
+            elif kind in ("sleep", "wake") and isinstance(args, dict):
+                self._sleeps.append((kind, args))
         self._wake.set()
 
     def _loop(self) -> None:
@@ -75,15 +79,25 @@ class PoolAgent:
             with self._notice_lock:
                 wanted, self._reclaim_pages = self._reclaim_pages, 0
                 revoke, self._revoke_pending = self._revoke_pending, False
+                sleeps, self._sleeps = self._sleeps, []
             if revoke:
                 self._revoke()
                 return
             if self.pool.lease.lost.is_set():
                 continue  # the daemon is gone: keep serving from what is mapped
             try:
+                self._sleep_or_wake(sleeps)
                 self._answer(wanted)
             except KVDaemonError as exc:
                 log.warning("pool %s: daemon request failed: %s", self.pool.name, exc)
+
+    def _sleep_or_wake(self, sleeps: list[tuple[str, dict[str, Any]]]) -> None:
+        for kind, args in sleeps:
+            mode = str(args.get("mode"))
+            if kind == "sleep":
+                sleep_pool(self.pool, mode, int(args.get("sleep_id", 0)))
+            else:
+                wake_pool(self.pool, mode, int(args.get("grant_id", 0)), list(args.get("pages", [])))
 
     def _answer(self, wanted: int) -> None:
         if wanted:

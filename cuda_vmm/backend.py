@@ -128,3 +128,11 @@ class Backend(Protocol):
     def mem_info(self) -> MemInfo:
         """Free and total bytes of the device."""
         ...
+
+    def copy_out(self, page: PhysicalPage, dest: memoryview) -> None:
+        """Copy the page's bytes into host memory ``dest`` (``page_size_bytes`` long)."""
+        ...
+
+    def copy_in(self, page: PhysicalPage, src: memoryview) -> None:
+        """Copy host memory ``src`` (``page_size_bytes`` long) into the page."""
+        ...

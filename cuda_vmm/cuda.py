@@ -17,6 +17,7 @@ Cost: one or two driver calls per operation (plus a ``cuCtxSynchronize`` per
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +82,7 @@ class CudaBackend:
         self._book = AddressBook(page_size_bytes)
         self._created: dict[int, Any] = {}
         self._imported: dict[int, Any] = {}  # id(handle) -> handle, released at close()
+        self._staging = 0  # a one-page range where copy_out/copy_in map pages
 
     @property
     def granularity_bytes(self) -> int:
@@ -160,6 +162,7 @@ class CudaBackend:
         dev = self._check(self._drv.cuDeviceGet(self.device), "cuDeviceGet")
         self._drv.cuDevicePrimaryCtxRelease(dev)
         self._drv = None
+        self._staging = 0
         self._ctx = None
 
     def reserve(self, size_bytes: int) -> int:
@@ -281,6 +284,31 @@ class CudaBackend:
         drv = self._driver()
         free, total = self._check(drv.cuMemGetInfo(), "cuMemGetInfo")
         return MemInfo(free_bytes=int(free), total_bytes=int(total))
+
+    def copy_out(self, page: PhysicalPage, dest: memoryview) -> None:
+        drv, device_ptr, host_ptr = self._stage(page, dest)
+        try:
+            self._check(drv.cuMemcpyDtoH(host_ptr, device_ptr, self.page_size_bytes), "cuMemcpyDtoH")
+        finally:
+            self.unmap(int(device_ptr), self.page_size_bytes)
+
+    def copy_in(self, page: PhysicalPage, src: memoryview) -> None:
+        drv, device_ptr, host_ptr = self._stage(page, src)
+        try:
+            self._check(drv.cuMemcpyHtoD(device_ptr, host_ptr, self.page_size_bytes), "cuMemcpyHtoD")
+        finally:
+            self.unmap(int(device_ptr), self.page_size_bytes)
+
+    def _stage(self, page: PhysicalPage, buf: memoryview) -> tuple[Any, Any, int]:
+        """Map ``page`` at this backend's staging slot; return driver, device and host pointers."""
+        if len(buf) != self.page_size_bytes:
+            raise BackendError(f"a page copy needs {self.page_size_bytes} bytes, got {len(buf)}")
+        drv = self._driver()
+        if self._staging == 0:
+            self._staging = self.reserve(self.page_size_bytes)
+        self.map_page(self._staging, page)
+        host = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+        return drv, drv.CUdeviceptr(self._staging), host
 
 
 class _DeviceBytes:

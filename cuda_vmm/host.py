@@ -261,3 +261,23 @@ class HostBackend:
     def mem_info(self) -> MemInfo:
         vm = psutil.virtual_memory()
         return MemInfo(free_bytes=int(vm.available), total_bytes=int(vm.total))
+
+    def copy_out(self, page: PhysicalPage, dest: memoryview) -> None:
+        self._check_copy(page, dest)
+        done = 0
+        while done < self.page_size_bytes:
+            got = os.preadv(page.handle, [dest[done:]], page.offset_bytes + done)
+            if got <= 0:
+                raise BackendError(f"reading page {page.page_id} stopped at {done} bytes")
+            done += got
+
+    def copy_in(self, page: PhysicalPage, src: memoryview) -> None:
+        self._check_copy(page, src)
+        done = 0
+        while done < self.page_size_bytes:
+            done += os.pwritev(page.handle, [src[done:]], page.offset_bytes + done)
+
+    def _check_copy(self, page: PhysicalPage, buf: memoryview) -> None:
+        self._lib()
+        if len(buf) != self.page_size_bytes:
+            raise BackendError(f"a page copy needs {self.page_size_bytes} bytes, got {len(buf)}")

@@ -46,6 +46,16 @@ class Grants:
         """Grant ``wanted`` logical pages: all of them, or raise with nothing changed."""
         started = time.perf_counter()
         self._check_grow(tenant, wanted)
+        result = self.grant(tenant, wanted)
+        if self.on_grant is not None:
+            self.on_grant(time.perf_counter() - started, len(wanted) * tenant.spec.num_segments)
+        return result
+
+    def grant(self, tenant: Tenant, wanted: list[int]) -> dict[str, Any]:
+        """Take pages for ``wanted`` and queue their fds to the tenant; no limit checks.
+
+        Raises ``NoMemory`` (nothing taken) when the pool is short.
+        """
         owners = [
             Owner(tenant.tenant_id, seg, lp) for lp in wanted for seg in range(tenant.spec.num_segments)
         ]
@@ -61,8 +71,6 @@ class Grants:
         for start, fds, fd_index in frames:
             chunk = page_ids[start : start + len(fd_index)]
             self.leases.send_grant(tenant.tenant_id, grant_id, chunk, fds, fd_index)
-        if self.on_grant is not None:
-            self.on_grant(time.perf_counter() - started, len(pages))
         return {
             "grant_id": grant_id,
             "pages": [[lp, page_ids[i * nseg : (i + 1) * nseg]] for i, lp in enumerate(wanted)],
@@ -71,6 +79,8 @@ class Grants:
     def _check_grow(self, tenant: Tenant, wanted: list[int]) -> None:
         if tenant.state != "active":
             raise Asleep(f"tenant {tenant.name!r} is {tenant.state}; wake it first")
+        if tenant.pending_sleep is not None:
+            raise Asleep(f"tenant {tenant.name!r} is going to sleep")
         if not tenant.leased:
             raise Conflict(f"tenant {tenant.name!r} has not attached its handle channel")
         held = [lp for lp in wanted if lp in tenant.logical]

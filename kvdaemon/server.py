@@ -124,6 +124,7 @@ class Daemon:
                 if events.get(self._wake_r):
                     os.read(self._wake_r, 64)
                 self.leases.close_dead()
+                self._send_deferred()
                 if time.monotonic() >= self._next_expiry_check:
                     self._next_expiry_check = time.monotonic() + POLL_MS / 1000
                     self._expire_unattached()
@@ -144,7 +145,15 @@ class Daemon:
                 reply = self.service.dispatch(routing_id, frames[1])
             else:
                 reply = reply_error(None, BadRequest("a request is exactly one frame"))
-            self._send_control(routing_id, reply)
+            if reply is not None:
+                self._send_control(routing_id, reply)
+            self._send_deferred()
+
+    def _send_deferred(self) -> None:
+        """Send the replies ops completed later (a sleep answered when the tenant quiesced)."""
+        assert self.service is not None
+        while self.service.replies:
+            self._send_control(*self.service.replies.pop(0))
 
     def _send_control(self, routing_id: bytes, payload: bytes) -> None:
         assert self._router is not None
@@ -182,6 +191,8 @@ class Daemon:
             for tenant in stale:
                 log.info("tenant %s never attached its handle channel; dropped", tenant.name)
                 self.service.remove(tenant)
+            self.service.sleeper.expire(now)
+        self._send_deferred()
         self.leases.expire(now, self.attach_timeout_s)
 
     # -- metrics ---------------------------------------------------------------

@@ -29,6 +29,7 @@ from kvdaemon.errors import (
 from kvdaemon.grants import Grants
 from kvdaemon.limits import MAX_WEIGHT, apply_limit
 from kvdaemon.pool import Owner, PagePool
+from kvdaemon.sleep import DEFERRED, Sleeper
 from kvdaemon.protocol import MAX_INT, PROTOCOL_VERSION, Args, decode, reply_error, reply_ok
 from kvdaemon.tenant import Tenant, WireSpec, check_name
 
@@ -70,17 +71,25 @@ class Service:
         self.shutdown_requested = False
         self._next_tenant_id = 1
         self.grants = Grants(self.pool, leases, on_grant, on_shrink)
+        self.sleeper = Sleeper(self)
+        self.replies: list[tuple[bytes, bytes]] = []  # deferred replies: (routing id, payload)
+        self.current: tuple[bytes, int | None] = (b"", None)  # the request being served
         self._ops: dict[str, Callable[[Args, bytes], Any]] = {
             "hello": self.op_hello, "register": self.op_register, "grow": self.op_grow,
             "shrink": self.op_shrink, "heartbeat": self.op_heartbeat,
             "unregister": self.op_unregister, "status": self.op_status,
             "set_limit": self.op_set_limit, "shutdown": self.op_shutdown,
+            "sleep": self.op_sleep, "sleep_ready": self.op_sleep_ready, "wake": self.op_wake,
         }
 
     # -- dispatch --------------------------------------------------------------
 
-    def dispatch(self, routing_id: bytes, raw: bytes) -> bytes:
-        """Turn one raw request into one raw reply. Never raises for bad input."""
+    def dispatch(self, routing_id: bytes, raw: bytes) -> bytes | None:
+        """Turn one raw request into one raw reply. Never raises for bad input.
+
+        Returns ``None`` when the op answers later (``DEFERRED``): its reply then
+        appears in ``replies`` for the server to send.
+        """
         request_id: int | None = None
         try:
             message = decode(raw)
@@ -93,8 +102,9 @@ class Service:
             if handler is None:
                 raise UnknownOp(f"unknown op {op[:64]!r}")
             with self.lock:
+                self.current = (routing_id, request_id)
                 result = handler(Args(message.get("args")), routing_id)
-            return reply_ok(request_id, result)
+            return None if result is DEFERRED else reply_ok(request_id, result)
         except KVDaemonError as exc:
             return reply_error(request_id, exc)
         except (KeyError, ValueError, TypeError, AttributeError, AssertionError, OSError) as exc:
@@ -205,6 +215,28 @@ class Service:
             self.grants.ask_back_excess(tenant)
         return result
 
+    def _named_or_own(self, args: Args) -> Tenant:
+        """The tenant named by ``name``; with a ``token`` it must be that tenant's own."""
+        tenant = self._named(args)
+        if args.has("token") and not _same_token(args.str("token", 128), tenant.token):
+            raise Forbidden(f"wrong token for tenant {tenant.name!r}")
+        return tenant
+
+    def op_sleep(self, args: Args, _rid: bytes) -> Any:
+        tenant = self._named_or_own(args)
+        mode = args.str("mode", 8) if args.has("mode") else "warm"
+        if mode not in ("warm", "cold"):
+            raise BadRequest(f"sleep mode must be 'warm' or 'cold', got {mode!r}")
+        self.sleeper.begin(tenant, mode, self.current)
+        return DEFERRED
+
+    def op_sleep_ready(self, args: Args, _rid: bytes) -> dict[str, Any]:
+        tenant = self._tenant(args)
+        return self.sleeper.finish(tenant, args.int("sleep_id", 1))
+
+    def op_wake(self, args: Args, _rid: bytes) -> dict[str, Any]:
+        return self.sleeper.wake(self._named_or_own(args))
+
     def op_shutdown(self, _args: Args, _rid: bytes) -> dict[str, Any]:
         self.shutdown_requested = True
         return {}
@@ -231,6 +263,7 @@ class Service:
             self.pool.free([p.page_id for p in pages])
             num_pages += len(pages)
         tenant.logical.clear()
+        self.sleeper.forget(tenant)
         del self.tenants[tenant.name]
         del self.by_id[tenant.tenant_id]
         log.info("removed tenant %s, %d pages back", tenant.name, num_pages)

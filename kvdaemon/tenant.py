@@ -12,9 +12,15 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from kvdaemon.cuda_vmm.backend import PhysicalPage
 from kvdaemon.errors import BadRequest
 from kvdaemon.protocol import Args
+
+if TYPE_CHECKING:
+    from kvdaemon.sleep import PendingSleep
+    from kvdaemon.swap import WarmCopy
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 DTYPE_BYTES = {
@@ -92,6 +98,8 @@ class Tenant:
     last_active: float = field(default_factory=time.monotonic)
     registered_at: float = field(default_factory=time.monotonic)
     leased: bool = False
+    warm: WarmCopy | None = None  # the page bytes of a warm sleeper
+    pending_sleep: PendingSleep | None = None  # asked to sleep, not yet quiesced
 
     @property
     def logical_page_bytes(self) -> int:
@@ -117,6 +125,7 @@ class Tenant:
             "min_bytes": self.min_bytes,
             "weight": self.weight,
             "idle_seconds": round(time.monotonic() - self.last_active, 3),
+            "host_bytes": 0 if self.warm is None else self.warm.host_bytes,
             "num_segments": self.spec.num_segments,
             "limit_revision": self.limit_revision,
         }

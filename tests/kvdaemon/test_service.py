@@ -263,3 +263,55 @@ def test_huge_grow_is_refused_before_any_work(h: Harness) -> None:
     reg = h.ok("register", name="big", spec=big, num_virtual_pages=1 << 16)
     h.service.attach("big", reg["token"], pid=1)
     assert h.error("grow", **h.auth("big", reg["token"], logical_pages=list(range(60000)))) == "NO_MEMORY"
+
+
+def start_sleep(h: Harness, name: str, mode: str = "warm") -> int:
+    """Ask ``name`` to sleep; the reply is deferred. Returns the sleep id the tenant was told."""
+    assert h.service.dispatch(b"admin", request(77, "sleep", {"name": name, "mode": mode})) is None
+    tenant_id, notice = h.leases.notices[-1]
+    assert tenant_id == h.service.tenants[name].tenant_id and notice["notice"] == "sleep"
+    return notice["args"]["sleep_id"]
+
+
+def deferred(h: Harness) -> dict[str, Any]:
+    routing_id, payload = h.service.replies.pop()
+    assert routing_id == b"admin"
+    return decode(payload)
+
+
+def test_sleep_waits_for_the_tenant_then_frees_its_pages(h: Harness) -> None:
+    reg = h.register("a")
+    h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0, 1]))
+    sleep_id = start_sleep(h, "a")
+    assert h.service.replies == []  # nothing answered before the tenant quiesced
+    assert h.error("grow", **h.auth("a", reg["token"], logical_pages=[2])) == "ASLEEP"
+    assert h.error("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id + 1)) == "CONFLICT"
+    done = h.ok("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id))
+    assert done["state"] == "sleeping-warm" and done["host_bytes"] == 4 * PAGE_BYTES
+    reply = deferred(h)
+    assert reply["id"] == 77 and reply["ok"] and reply["result"] == done
+    status = h.ok("status")
+    assert status["free_bytes"] == NUM_PAGES * PAGE_BYTES
+    assert status["tenants"][0]["host_bytes"] == 4 * PAGE_BYTES
+    assert h.ok("wake", name="a")["mapped_bytes"] == 4 * PAGE_BYTES
+    assert h.leases.notices[-1][1]["notice"] == "wake"
+
+
+def test_a_sleep_that_times_out_is_cancelled_and_frees_nothing(h: Harness) -> None:
+    reg = h.register("a")
+    h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0]))
+    sleep_id = start_sleep(h, "a", "cold")
+    h.service.sleeper.timeout_s = 0.0
+    h.service.sleeper.expire(float("inf"))
+    assert deferred(h)["error"]["code"] == "CONFLICT"
+    assert h.leases.notices[-1][1] == {"notice": "sleep_cancelled", "args": {"sleep_id": sleep_id}}
+    assert h.error("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id)) == "CONFLICT"
+    row = h.ok("status")["tenants"][0]
+    assert (row["state"], row["mapped_bytes"]) == ("active", 2 * PAGE_BYTES)
+
+
+def test_a_tenant_leaving_mid_sleep_answers_the_caller(h: Harness) -> None:
+    reg = h.register("a")
+    start_sleep(h, "a")
+    h.ok("unregister", **h.auth("a", reg["token"]))
+    assert deferred(h)["ok"] is False

@@ -1,0 +1,146 @@
+"""Warm and cold sleep and wake of a pool, through the daemon and the Python API."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvdaemon.client import KVClient, KVPool, KVSpec
+from kvdaemon.errors import Asleep, BadRequest, Conflict, UnknownTenant
+
+from ..conftest import PAGE_BYTES, RunningDaemon, running_daemon
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes
+CAPACITY = 64 * 1024 * 1024
+
+
+@pytest.fixture
+def kvd() -> Iterator[RunningDaemon]:
+    with running_daemon("64MiB") as running:
+        yield running
+
+
+def row(client: KVClient, name: str = "a") -> dict:
+    return next(t for t in client.status()["tenants"] if t["name"] == name)
+
+
+def fill(pool: KVPool, blocks: list[int], seed: int = 0) -> list[torch.Tensor]:
+    """Write random K/V into ``blocks`` of every layer; return what was written."""
+    gen = torch.Generator().manual_seed(seed)
+    written = []
+    for layer in range(SPEC.num_layers):
+        for cache in (pool.key_cache(layer), pool.value_cache(layer)):
+            data = torch.randn(len(blocks), 16, 2, 64, generator=gen).half()
+            cache[blocks] = data
+            written.append(data)
+    return written
+
+
+def read(pool: KVPool, blocks: list[int]) -> list[torch.Tensor]:
+    return [
+        cache[blocks].clone()
+        for layer in range(SPEC.num_layers)
+        for cache in (pool.key_cache(layer), pool.value_cache(layer))
+    ]
+
+
+def wait_awake(pool: KVPool) -> None:
+    assert pool.awake.wait(5), "the pool did not wake"
+
+
+def test_warm_sleep_keeps_every_byte_at_the_same_addresses(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_prefetch_pages=0)
+    blocks = pool.alloc(2 * BLOCKS_PER_PAGE + 5)  # three logical pages
+    written = fill(pool, blocks)
+    mapped = row(client)["mapped_bytes"]
+    addresses = [pool.key_cache(0).data_ptr(), pool.value_cache(1).data_ptr()]
+
+    result = client.sleep("a", "warm")
+    assert result["state"] == "sleeping-warm" and result["host_bytes"] == mapped
+    asleep = row(client)
+    assert (asleep["state"], asleep["mapped_bytes"], asleep["host_bytes"]) == (
+        "sleeping-warm", 0, mapped)
+    assert client.status()["free_bytes"] == CAPACITY
+    with pytest.raises(Asleep):
+        pool.alloc(1)
+    pool.free(blocks[:1])  # freeing while asleep keeps the books right
+    kvd.check_invariants()
+
+    assert client.wake("a")["state"] == "active"
+    wait_awake(pool)
+    assert [pool.key_cache(0).data_ptr(), pool.value_cache(1).data_ptr()] == addresses
+    for before, after in zip(written, read(pool, blocks)):
+        assert torch.equal(before, after)
+    assert row(client)["mapped_bytes"] == mapped and row(client)["host_bytes"] == 0
+    fresh = pool.alloc(4)
+    assert not set(fresh) & set(blocks[1:]), "a live block was handed out again"
+    kvd.check_invariants()
+    pool.close()
+
+
+def test_cold_sleep_wakes_to_an_empty_pool(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC)
+    blocks = pool.alloc(BLOCKS_PER_PAGE)
+    fill(pool, blocks)
+    assert client.sleep("a", "cold")["host_bytes"] == 0
+    assert row(client)["state"] == "sleeping-cold"
+    client.wake("a")
+    wait_awake(pool)
+    assert pool.num_used_blocks == 0 and pool.mapped_bytes == 0
+    again = pool.alloc(8)
+    assert float(pool.key_cache(0)[again].abs().sum()) == 0.0  # nothing of the old KV survives
+    pool.close()
+
+
+def test_an_engine_that_does_not_quiesce_loses_nothing(kvd: RunningDaemon) -> None:
+    kvd.daemon.service.sleeper.timeout_s = 0.3
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_prefetch_pages=0)
+    blocks = pool.alloc(10)
+    written = fill(pool, blocks, seed=3)
+    pool.quiesce_hook = lambda: time.sleep(1.0)  # a step that outlasts the timeout
+    with pytest.raises(Conflict, match="did not quiesce"):
+        client.sleep("a")
+    time.sleep(1.5)  # the late sleep_ready is refused; the pool maps its pages back
+    assert row(client)["state"] == "active"
+    assert row(client)["mapped_bytes"] == SPEC.num_segments * PAGE_BYTES
+    for before, after in zip(written, read(pool, blocks)):
+        assert torch.equal(before, after)
+    pool.quiesce_hook = None
+    pool.alloc(1)
+    kvd.check_invariants()
+    pool.close()
+
+
+def test_auto_wake_pool_wakes_on_alloc(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, auto_wake=True)
+    blocks = pool.alloc(3)
+    client.sleep("a")
+    got = pool.alloc(2)
+    assert row(client)["state"] == "active"
+    assert not set(got) & set(blocks)
+    pool.close()
+
+
+def test_bad_sleep_and_wake_requests(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC)
+    with pytest.raises(UnknownTenant):
+        client.sleep("nobody")
+    with pytest.raises(BadRequest, match="mode"):
+        client.sleep("a", "tepid")
+    with pytest.raises(BadRequest, match="not sleeping"):
+        client.wake("a")
+    client.sleep("a")
+    with pytest.raises(Asleep):
+        client.sleep("a")
+    pool.close()  # closing a sleeper drops its warm copy with it
+    status = client.status()
+    assert status["tenants"] == [] and status["free_bytes"] == CAPACITY
