@@ -206,6 +206,34 @@ def _limit_summary(name: str, result: dict[str, Any], tenants: list[dict[str, An
 
 
 @main.command()
+@click.argument("name")
+@click.option("--cold", is_flag=True, help="Drop the KV instead of keeping it in host memory.")
+@_dir_option
+@_reporting_errors
+def sleep(name: str, cold: bool, dir_flag: Path | None) -> None:
+    """Put a tenant to sleep: its pages go back to the pool.
+
+    Warm (the default) keeps its KV in host memory and restores it on wake at
+    the same addresses; --cold drops it. Returns once the tenant sleeps.
+    """
+    with lifecycle.connect(_daemon_dir(dir_flag)) as client:
+        result = client.sleep(name, "cold" if cold else "warm")
+    kept = f", {format_bytes(int(result['host_bytes']))} kept in host memory" if not cold else ""
+    click.echo(f"{name}: {result['state']}{kept}")
+
+
+@main.command()
+@click.argument("name")
+@_dir_option
+@_reporting_errors
+def wake(name: str, dir_flag: Path | None) -> None:
+    """Wake a sleeping tenant: fresh pages at the same addresses, KV restored if warm."""
+    with lifecycle.connect(_daemon_dir(dir_flag)) as client:
+        result = client.wake(name)
+    click.echo(f"{name}: {result['state']}, {format_bytes(int(result['mapped_bytes']))} mapped")
+
+
+@main.command()
 @_dir_option
 @click.option("--once", is_flag=True, help="Print one frame and exit.")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,

@@ -20,7 +20,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdaemon.client import KVClient
+from kvdaemon.client import KVClient, KVSpec
 from kvdaemon.paths import DaemonPaths
 from tests.conftest import short_dir, small_spec
 
@@ -245,7 +245,8 @@ def test_limit_errors(cli: Cli) -> None:
 
 def test_commands_without_a_daemon_exit_1(cli: Cli) -> None:
     message = f"no kvdaemon running at {cli.dir} — start it with `kvdaemon start`"
-    for args in (("stop",), ("status",), ("status", "--json"), ("limit", "x", "--max", "1MiB")):
+    for args in (("stop",), ("status",), ("status", "--json"), ("limit", "x", "--max", "1MiB"),
+                 ("sleep", "x"), ("wake", "x")):
         done = cli.run(*args)
         assert (done.returncode, done.stderr.strip()) == (1, message), args
 
@@ -345,3 +346,31 @@ def test_busy_metrics_port_fails_the_start_with_a_clear_error(cli: Cli) -> None:
     assert f"error CONFIG: cannot serve metrics on 127.0.0.1:{port}" in done.stderr
     assert not any(path.exists() for path in cli.paths.sockets())
     assert cli.run("status").returncode == 1
+
+
+def test_sleep_and_wake_from_the_cli(cli: Cli) -> None:
+    cli.started_pid()
+    client = cli.client()
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
+    pool = client.register("llama-a", spec, num_prefetch_pages=0)
+    try:
+        blocks = pool.alloc(4)
+        pool.key_cache(0)[blocks] = 5
+        slept = cli.run("sleep", "llama-a")
+        assert slept.returncode == 0, slept.stderr
+        assert slept.stdout.strip() == "llama-a: sleeping-warm, 4.00 MiB kept in host memory"
+        (row,) = json.loads(cli.run("status", "--json").stdout)["tenants"]
+        assert (row["state"], row["mapped_bytes"], row["host_bytes"]) == ("sleeping-warm", 0, 4 << 20)
+        again = cli.run("sleep", "llama-a", "--cold")
+        assert again.returncode == 3 and again.stderr.startswith("error ASLEEP: ")
+        woke = cli.run("wake", "llama-a")
+        assert woke.returncode == 0, woke.stderr
+        assert woke.stdout.strip() == "llama-a: active, 4.00 MiB mapped"
+        assert pool.awake.wait(5)
+        assert float(pool.key_cache(0)[blocks].float().mean()) == 5.0
+        cold = cli.run("sleep", "llama-a", "--cold")
+        assert cold.stdout.strip() == "llama-a: sleeping-cold"
+        assert cli.run("wake", "nobody").returncode == 3
+    finally:
+        pool.close()
+        client.close()
