@@ -40,7 +40,9 @@ def save(backend: Backend, logical: dict[int, list[PhysicalPage]], num_segments:
     page_bytes = backend.page_size_bytes
     order = sorted(logical)
     size = max(1, len(order) * num_segments * page_bytes)
-    buffer = mmap.mmap(-1, size)
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)  # 512x fewer page faults where THP is on
     view = memoryview(buffer)
     try:
         for i, lp in enumerate(order):
