@@ -112,6 +112,8 @@ def main() -> None:
               help="Serve Prometheus metrics on 127.0.0.1:PORT.")
 @click.option("--idle-sleep", metavar="SECONDS",
               help="Sleep tenants idle this long (300, 300s, 5m, off).")
+@click.option("--idle-mode", type=click.Choice(("warm", "cold"), case_sensitive=False),
+              help="How idle tenants sleep [default: warm].")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               help="Logging level [default: INFO].")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),

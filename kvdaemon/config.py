@@ -47,6 +47,7 @@ class DaemonConfig:
     page_size_bytes: int = DEFAULT_PAGE_SIZE_BYTES
     metrics_port: int | None = None
     idle_sleep_s: float | None = None
+    idle_mode: str = "warm"
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -57,6 +58,7 @@ class DaemonConfig:
         _check_page_size(self.page_size_bytes)
         _check_port(self.metrics_port)
         _check_idle_sleep(self.idle_sleep_s)
+        _check_idle_mode(self.idle_mode)
         _check_log_level(self.log_level)
 
     @property
@@ -95,7 +97,7 @@ class DaemonConfig:
         if self.metrics_port is not None:
             argv += ["--metrics-port", str(self.metrics_port)]
         if self.idle_sleep_s is not None:
-            argv += ["--idle-sleep", repr(self.idle_sleep_s)]
+            argv += ["--idle-sleep", repr(self.idle_sleep_s), "--idle-mode", self.idle_mode]
         return argv
 
 
@@ -252,6 +254,12 @@ def _parse_idle_sleep(raw: Any) -> float | None:
     return _check_idle_sleep(seconds)
 
 
+def _parse_idle_mode(raw: Any) -> str:
+    if not isinstance(raw, str):
+        raise ConfigError(f"idle mode must be 'warm' or 'cold', got {raw!r}")
+    return _check_idle_mode(raw.strip().lower())
+
+
 def _parse_log_level(raw: Any) -> str:
     if not isinstance(raw, str):
         raise ConfigError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {raw!r}")
@@ -266,6 +274,7 @@ KEYS: dict[str, _Key] = {
     "page_size": _Key("page_size_bytes", "--page-size", "KVDAEMON_PAGE_SIZE", _parse_page_size),
     "metrics_port": _Key("metrics_port", "--metrics-port", "KVDAEMON_METRICS_PORT", _parse_port),
     "idle_sleep": _Key("idle_sleep_s", "--idle-sleep", "KVDAEMON_IDLE_SLEEP", _parse_idle_sleep),
+    "idle_mode": _Key("idle_mode", "--idle-mode", "KVDAEMON_IDLE_MODE", _parse_idle_mode),
     "log_level": _Key("log_level", "--log-level", "KVDAEMON_LOG_LEVEL", _parse_log_level),
 }
 
@@ -335,6 +344,12 @@ def _check_idle_sleep(seconds: float | None) -> float | None:
     if seconds == float("inf"):
         raise ConfigError("idle sleep must be finite; use 'off' to disable it")
     return float(seconds)
+
+
+def _check_idle_mode(mode: str) -> str:
+    if mode not in ("warm", "cold"):
+        raise ConfigError(f"idle mode must be 'warm' or 'cold', got {mode!r}")
+    return mode
 
 
 def _check_log_level(level: str) -> str:

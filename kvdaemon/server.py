@@ -79,8 +79,6 @@ class Daemon:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        if cfg.idle_sleep_s is not None:
-            log.warning("--idle-sleep is not implemented yet (sleep and wake arrive later); ignored")
         if cfg.metrics_port:
             self.metrics = Metrics(cfg.metrics_port, self._snapshot)
             self.metrics.start()
@@ -192,6 +190,8 @@ class Daemon:
                 log.info("tenant %s never attached its handle channel; dropped", tenant.name)
                 self.service.remove(tenant)
             self.service.sleeper.expire(now)
+            if self.config.idle_sleep_s is not None:
+                self.service.sleeper.sleep_idle(now, self.config.idle_sleep_s, self.config.idle_mode)
         self._send_deferred()
         self.leases.expire(now, self.attach_timeout_s)
 

@@ -46,7 +46,7 @@ class PendingSleep:
 
     sleep_id: int
     mode: str
-    waiter: tuple[bytes, int | None]  # routing id and request id of the caller
+    waiter: tuple[bytes, int | None] | None  # routing id and request id of the caller
     deadline: float
 
 
@@ -58,8 +58,11 @@ class Sleeper:
         self.timeout_s = SLEEP_TIMEOUT_S
         self._ids = itertools.count(1)
 
-    def begin(self, tenant: Tenant, mode: str, waiter: tuple[bytes, int | None]) -> None:
-        """Ask ``tenant`` to quiesce; the caller's reply waits for ``finish`` or ``expire``."""
+    def begin(self, tenant: Tenant, mode: str, waiter: tuple[bytes, int | None] | None) -> None:
+        """Ask ``tenant`` to quiesce; the caller's reply waits for ``finish`` or ``expire``.
+
+        ``waiter`` is ``None`` for the daemon's own sleeps (the idle policy).
+        """
         if tenant.state != "active":
             raise Asleep(f"tenant {tenant.name!r} is already {tenant.state}")
         if tenant.pending_sleep is not None:
@@ -84,7 +87,7 @@ class Sleeper:
         tenant.state = f"sleeping-{pending.mode}"
         result = {"state": tenant.state, "num_released": num_pages,
                   "host_bytes": 0 if tenant.warm is None else tenant.warm.host_bytes}
-        self._answer(pending.waiter, reply_ok(pending.waiter[1], result))
+        self._answer(pending.waiter, reply_ok(_request_id(pending.waiter), result))
         log.info("tenant %s is %s (%d pages freed)", tenant.name, tenant.state, num_pages)
         return result
 
@@ -114,10 +117,19 @@ class Sleeper:
                 continue
             tenant.pending_sleep = None
             error = Conflict(f"tenant {tenant.name!r} did not quiesce within {self.timeout_s:g} s")
-            self._answer(pending.waiter, reply_error(pending.waiter[1], error))
+            self._answer(pending.waiter, reply_error(_request_id(pending.waiter), error))
             self.service.leases.send_notice(
                 tenant.tenant_id, {"notice": "sleep_cancelled", "args": {"sleep_id": pending.sleep_id}}
             )
+
+    def sleep_idle(self, now: float, idle_s: float, mode: str) -> None:
+        """The idle policy: sleep active tenants whose blocks have not changed for ``idle_s``."""
+        for tenant in self.service.tenants.values():
+            idle = now - tenant.last_active
+            if (tenant.state == "active" and tenant.leased and tenant.pending_sleep is None
+                    and idle >= idle_s):  # fmt: skip
+                log.info("tenant %s idle for %.0f s: sleeping it (%s)", tenant.name, idle, mode)
+                self.begin(tenant, mode, None)
 
     def forget(self, tenant: Tenant) -> None:
         """Drop what a removed tenant kept: its warm copy and any parked caller."""
@@ -128,7 +140,7 @@ class Sleeper:
             waiter = tenant.pending_sleep.waiter
             tenant.pending_sleep = None
             gone = KVDaemonError(f"tenant {tenant.name!r} went away while going to sleep")
-            self._answer(waiter, reply_error(waiter[1], gone))
+            self._answer(waiter, reply_error(_request_id(waiter), gone))
 
     def _free_pages(self, tenant: Tenant) -> int:
         num_pages = 0
@@ -138,5 +150,10 @@ class Sleeper:
         tenant.logical.clear()
         return num_pages
 
-    def _answer(self, waiter: tuple[bytes, int | None], payload: bytes) -> None:
-        self.service.replies.append((waiter[0], payload))
+    def _answer(self, waiter: tuple[bytes, int | None] | None, payload: bytes) -> None:
+        if waiter is not None:
+            self.service.replies.append((waiter[0], payload))
+
+
+def _request_id(waiter: tuple[bytes, int | None] | None) -> int | None:
+    return None if waiter is None else waiter[1]

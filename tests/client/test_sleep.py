@@ -144,3 +144,19 @@ def test_bad_sleep_and_wake_requests(kvd: RunningDaemon) -> None:
     pool.close()  # closing a sleeper drops its warm copy with it
     status = client.status()
     assert status["tenants"] == [] and status["free_bytes"] == CAPACITY
+
+
+def test_idle_policy_sleeps_the_idle_tenant_not_the_busy_one() -> None:
+    with running_daemon("64MiB", idle_sleep_s=2.5) as kvd:
+        client = kvd.client()
+        idle = client.register("idle", SPEC)
+        busy = client.register("busy", SPEC)
+        idle.alloc(4)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:  # a live block change every 0.2 s
+            busy.alloc(1)
+            time.sleep(0.2)
+        states = {t["name"]: t["state"] for t in client.status()["tenants"]}
+        assert states == {"idle": "sleeping-warm", "busy": "active"}
+        idle.close()
+        busy.close()

@@ -278,3 +278,15 @@ def test_dir_from_precedence() -> None:
     assert dir_from(Path("/tmp/kvd-flag"), env) == Path("/tmp/kvd-flag")
     assert dir_from(None, env) == Path("/tmp/kvd-env")
     assert dir_from(None, {}) == Path(f"/tmp/kvdaemon-{os.getuid()}")
+
+
+def test_idle_mode_from_env_and_file(tmp_path: Path) -> None:
+    assert load_config({}, {}, None).idle_mode == "warm"
+    file = write_toml(tmp_path, 'idle_sleep = 60\nidle_mode = "cold"\n')
+    assert load_config({}, {}, file).idle_mode == "cold"
+    env = {"KVDAEMON_IDLE_MODE": "WARM"}
+    assert load_config({}, env, file).idle_mode == "warm"
+    config = load_config({"idle_sleep": "60", "idle_mode": "cold"}, {}, None)
+    assert config.to_argv()[-4:] == ["--idle-sleep", "60.0", "--idle-mode", "cold"]
+    with pytest.raises(ConfigError, match="idle mode"):
+        load_config({}, {"KVDAEMON_IDLE_MODE": "lukewarm"}, None)
