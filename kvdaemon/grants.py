@@ -86,16 +86,16 @@ class Grants:
         held = [lp for lp in wanted if lp in tenant.logical]
         if held:
             raise BadRequest(f"logical pages {held[:8]} are already mapped")
-        if len(wanted) * tenant.spec.num_segments > self.pool.num_free:
-            raise NoMemory(
-                f"{len(wanted)} logical pages need {len(wanted) * tenant.spec.num_segments} "
-                f"pages, {self.pool.num_free} free"
-            )
         new_bytes = tenant.mapped_bytes + len(wanted) * tenant.logical_page_bytes
         if new_bytes > tenant.max_bytes:
             raise OverLimit(
                 f"tenant {tenant.name!r} would hold {new_bytes} bytes, over its limit of "
                 f"{tenant.max_bytes}"
+            )
+        if len(wanted) * tenant.spec.num_segments > self.pool.num_free:
+            raise NoMemory(
+                f"{len(wanted)} logical pages need {len(wanted) * tenant.spec.num_segments} "
+                f"pages, {self.pool.num_free} free"
             )
 
     def _export(self, pages: list[PhysicalPage]) -> list[tuple[int, list[int], list[int]]]:

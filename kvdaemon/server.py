@@ -145,6 +145,9 @@ class Daemon:
                 reply = reply_error(None, BadRequest("a request is exactly one frame"))
             if reply is not None:
                 self._send_control(routing_id, reply)
+            if self.service.reclaimer.parked:  # pages may have come back: serve waiting grows
+                with self.service.lock:
+                    self.service.reclaimer.retry(time.monotonic())
             self._send_deferred()
 
     def _send_deferred(self) -> None:
@@ -189,9 +192,7 @@ class Daemon:
             for tenant in stale:
                 log.info("tenant %s never attached its handle channel; dropped", tenant.name)
                 self.service.remove(tenant)
-            self.service.sleeper.expire(now)
-            if self.config.idle_sleep_s is not None:
-                self.service.sleeper.sleep_idle(now, self.config.idle_sleep_s, self.config.idle_mode)
+            self.service.tick(now, self.config.idle_sleep_s, self.config.idle_mode)
         self._send_deferred()
         self.leases.expire(now, self.attach_timeout_s)
 

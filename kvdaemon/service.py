@@ -29,6 +29,7 @@ from kvdaemon.errors import (
 from kvdaemon.grants import Grants
 from kvdaemon.limits import MAX_WEIGHT, apply_limit
 from kvdaemon.pool import Owner, PagePool
+from kvdaemon.reclaim import Reclaimer
 from kvdaemon.sleep import DEFERRED, Sleeper
 from kvdaemon.protocol import MAX_INT, PROTOCOL_VERSION, Args, decode, reply_error, reply_ok
 from kvdaemon.tenant import Tenant, WireSpec, check_name
@@ -72,6 +73,7 @@ class Service:
         self._next_tenant_id = 1
         self.grants = Grants(self.pool, leases, on_grant, on_shrink)
         self.sleeper = Sleeper(self)
+        self.reclaimer = Reclaimer(self)
         self.replies: list[tuple[bytes, bytes]] = []  # deferred replies: (routing id, payload)
         self.current: tuple[bytes, int | None] = (b"", None)  # the request being served
         self._ops: dict[str, Callable[[Args, bytes], Any]] = {
@@ -183,7 +185,12 @@ class Service:
     def op_grow(self, args: Args, _rid: bytes) -> dict[str, Any]:
         tenant = self._tenant(args)
         wanted = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1)
-        return self.grants.grow(tenant, wanted)
+        try:
+            return self.grants.grow(tenant, wanted)
+        except NoMemory:
+            if self.reclaimer.park(tenant, wanted, self.current):
+                return DEFERRED  # answered by ``tick`` once pages come back, or NO_MEMORY
+            raise
 
     def op_shrink(self, args: Args, _rid: bytes) -> dict[str, Any]:
         tenant = self._tenant(args)
@@ -269,14 +276,24 @@ class Service:
         log.info("removed tenant %s, %d pages back", tenant.name, num_pages)
         return num_pages
 
+    def tick(self, now: float, idle_sleep_s: float | None = None, idle_mode: str = "warm") -> None:
+        """Time-driven work: cancel stale sleeps, serve parked grows, the idle policy."""
+        self.sleeper.expire(now)
+        self.reclaimer.retry(now)
+        if idle_sleep_s is not None:
+            self.sleeper.sleep_idle(now, idle_sleep_s, idle_mode)
+
     def status(self) -> dict[str, Any]:
-        """The object of ``status --json`` (DESIGN.md §13)."""
+        """The object of ``status --json`` (DESIGN.md §13), plus host bytes and counters."""
+        tenants = [t.status() for t in self.tenants.values()]
         return {
             "backend": self.backend.name,
             "page_size": self.pool.page_size_bytes,
             "capacity_bytes": self.pool.capacity_bytes,
             "free_bytes": self.pool.free_bytes,
-            "tenants": [t.status() for t in self.tenants.values()],
+            "host_bytes": sum(int(t["host_bytes"]) for t in tenants),
+            "counters": {**self.reclaimer.stats(), **self.sleeper.stats()},
+            "tenants": tenants,
         }
 
     def check_invariants(self) -> None:

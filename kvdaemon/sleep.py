@@ -57,6 +57,8 @@ class Sleeper:
         self.service = service
         self.timeout_s = SLEEP_TIMEOUT_S
         self._ids = itertools.count(1)
+        self.num_sleeps = 0
+        self.num_wakes = 0
 
     def begin(self, tenant: Tenant, mode: str, waiter: tuple[bytes, int | None] | None) -> None:
         """Ask ``tenant`` to quiesce; the caller's reply waits for ``finish`` or ``expire``.
@@ -85,6 +87,7 @@ class Sleeper:
         num_pages = self._free_pages(tenant)
         tenant.pending_sleep = None
         tenant.state = f"sleeping-{pending.mode}"
+        self.num_sleeps += 1
         result = {"state": tenant.state, "num_released": num_pages,
                   "host_bytes": 0 if tenant.warm is None else tenant.warm.host_bytes}
         self._answer(pending.waiter, reply_ok(_request_id(pending.waiter), result))
@@ -104,6 +107,7 @@ class Sleeper:
             tenant.warm = None
         tenant.state = "active"
         tenant.touch()
+        self.num_wakes += 1
         self.service.leases.send_notice(
             tenant.tenant_id, {"notice": "wake", "args": {"mode": mode, **grant}}
         )
@@ -130,6 +134,9 @@ class Sleeper:
                     and idle >= idle_s):  # fmt: skip
                 log.info("tenant %s idle for %.0f s: sleeping it (%s)", tenant.name, idle, mode)
                 self.begin(tenant, mode, None)
+
+    def stats(self) -> dict[str, int]:
+        return {"sleeps": self.num_sleeps, "wakes": self.num_wakes}
 
     def forget(self, tenant: Tenant) -> None:
         """Drop what a removed tenant kept: its warm copy and any parked caller."""

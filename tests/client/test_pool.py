@@ -88,7 +88,8 @@ def test_exhaustion_leaves_nothing_behind(kvd: RunningDaemon) -> None:
 
 
 def test_no_memory_from_the_daemon_is_pool_exhausted(kvd: RunningDaemon) -> None:
-    _, hog = register(kvd, "hog", num_prefetch_pages=0)
+    # the hog's guarantee covers what it holds: nothing can be reclaimed from it
+    _, hog = register(kvd, "hog", num_prefetch_pages=0, min_bytes=7 * LOGICAL_PAGE_BYTES)
     hog.alloc(7 * BLOCKS_PER_PAGE)
     client, pool = register(kvd, "b", num_prefetch_pages=0)
     pool.alloc(BLOCKS_PER_PAGE)  # the last free logical page

@@ -184,11 +184,15 @@ def test_status_json_is_the_status_object(cli: Cli) -> None:
     done = cli.run("status", "--json")
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
-    assert set(status) == STATUS_KEYS
-    assert status == {
+    assert set(status) == STATUS_KEYS | {"host_bytes", "counters"}
+    assert {key: status[key] for key in STATUS_KEYS} == {
         "backend": "host", "page_size": 2 * MiB, "capacity_bytes": 64 * MiB,
         "free_bytes": 64 * MiB, "tenants": [],
     }  # fmt: skip
+    assert status["host_bytes"] == 0
+    assert status["counters"] == {
+        "parked_grows": 0, "reclaim_requests": 0, "victims_slept": 0, "sleeps": 0, "wakes": 0,
+    }
 
 
 def test_status_and_limit_with_a_tenant(cli: Cli) -> None:

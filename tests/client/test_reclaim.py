@@ -1,0 +1,80 @@
+"""Reclaim between tenants: spare pages first, then warm-sleeping an idle tenant."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvdaemon.client import KVClient, KVSpec, PoolExhausted
+
+from ..conftest import PAGE_BYTES, RunningDaemon, running_daemon
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes
+LOGICAL = SPEC.num_segments * PAGE_BYTES  # 8 MiB: the pool holds 8 logical pages
+
+
+@pytest.fixture
+def kvd() -> Iterator[RunningDaemon]:
+    with running_daemon("64MiB") as running:
+        yield running
+
+
+def rows(client: KVClient) -> dict[str, dict]:
+    return {t["name"]: t for t in client.status()["tenants"]}
+
+
+def test_a_busy_grow_takes_an_idle_tenants_spare_pages(kvd: RunningDaemon) -> None:
+    kvd.daemon.service.reclaimer.sleep_after_s = 5.0  # spare pages alone must do it
+    client = kvd.client()
+    idle = client.register("idle", SPEC, num_spare_pages=8, num_prefetch_pages=0)
+    idle.free(idle.alloc(4 * BLOCKS_PER_PAGE))  # four spare logical pages stay mapped
+    busy = client.register("busy", SPEC, num_prefetch_pages=0)
+    blocks = busy.alloc(6 * BLOCKS_PER_PAGE)  # 4 free, 2 must come from the idle tenant
+    assert len(blocks) == 6 * BLOCKS_PER_PAGE
+    now = rows(client)
+    assert now["busy"]["mapped_bytes"] == 6 * LOGICAL
+    assert now["idle"]["state"] == "active" and now["idle"]["mapped_bytes"] <= 2 * LOGICAL
+    assert client.status()["counters"]["reclaim_requests"] >= 1
+    kvd.check_invariants()
+    idle.close()
+    busy.close()
+
+
+def test_an_idle_tenant_is_warm_slept_when_spare_pages_are_not_enough(kvd: RunningDaemon) -> None:
+    kvd.daemon.service.reclaimer.sleep_after_s = 0.05
+    client = kvd.client()
+    idle = client.register("idle", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    held = idle.alloc(6 * BLOCKS_PER_PAGE)  # live blocks: nothing spare to give
+    idle.key_cache(1)[held[-1]] = 9
+    busy = client.register("busy", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    busy_blocks = busy.alloc(4 * BLOCKS_PER_PAGE)
+    now = rows(client)
+    assert now["idle"]["state"] == "sleeping-warm" and now["idle"]["host_bytes"] == 6 * LOGICAL
+    assert now["busy"]["mapped_bytes"] == 4 * LOGICAL
+    assert client.status()["counters"]["victims_slept"] == 1
+    busy.free(busy_blocks)  # room again: the sleeper wakes with its bytes
+    client.wake("idle")
+    assert idle.awake.wait(5)
+    assert float(idle.key_cache(1)[held[-1]].float().mean()) == 9.0
+    kvd.check_invariants()
+    idle.close()
+    busy.close()
+
+
+def test_min_bytes_is_never_reclaimed(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    guarded = client.register("guarded", SPEC, min_bytes=6 * LOGICAL, num_spare_pages=8,
+                              num_prefetch_pages=0)  # fmt: skip
+    guarded.free(guarded.alloc(6 * BLOCKS_PER_PAGE))  # six spare pages, all guaranteed
+    busy = client.register("busy", SPEC, num_prefetch_pages=0)
+    with pytest.raises(PoolExhausted):
+        busy.alloc(4 * BLOCKS_PER_PAGE)
+    now = rows(client)
+    assert now["guarded"]["mapped_bytes"] == 6 * LOGICAL and now["guarded"]["state"] == "active"
+    assert now["busy"]["mapped_bytes"] == 0
+    kvd.check_invariants()
+    guarded.close()
+    busy.close()
