@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -137,9 +137,18 @@ def assert_all_back(running: RunningDaemon, client: KVClient) -> None:
     assert status["free_bytes"] == status["capacity_bytes"]
 
 
-def daemon_with_pages(num_pages: int) -> AbstractContextManager[RunningDaemon]:
-    """A daemon over ``num_pages`` pages of ``PAGE`` bytes."""
-    return running_daemon(capacity=f"{num_pages * PAGE // 1024}KiB", page_size_bytes=PAGE)
+@contextmanager
+def daemon_with_pages(num_pages: int) -> Iterator[RunningDaemon]:
+    """A daemon over ``num_pages`` pages of ``PAGE`` bytes.
+
+    The workers are raw leases without a pool agent: they never answer reclaim
+    or sleep notices, so a grow short of pages fails fast and no one is slept.
+    """
+    with running_daemon(capacity=f"{num_pages * PAGE // 1024}KiB", page_size_bytes=PAGE) as kvd:
+        assert kvd.daemon.service is not None
+        kvd.daemon.service.reclaimer.sleep_victims = False
+        kvd.daemon.service.reclaimer.wait_s = 0.0
+        yield kvd
 
 
 # -- concurrent churn ------------------------------------------------------------------
