@@ -36,13 +36,17 @@ O(blocks); eviction O(1) per victim.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import functools
+import threading
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvdaemon.client.prefix_cache import ROOT, ChainLink, PrefixCache, token_array
 from kvdaemon.errors import BadRequest, PoolExhausted
+
+_T = TypeVar("_T")
 
 
 class BlockSource(Protocol):
@@ -74,6 +78,17 @@ class _Sequence:
     chain: ChainLink = ROOT
 
 
+def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run ``method`` under the manager's lock."""
+
+    @functools.wraps(method)
+    def wrapper(self: BlockManager, *args: Any, **kwargs: Any) -> _T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class BlockManager:
     """Block tables for sequences over ``source``; see the module docstring for invariants."""
 
@@ -85,6 +100,8 @@ class BlockManager:
         self.enable_prefix_cache = enable_prefix_cache
         self.cache = PrefixCache(source.blocks_per_page, salt)
         self._seqs: dict[Hashable, _Sequence] = {}
+        # Serialises the engine's calls with ``evict_cached`` from a pool's agent thread.
+        self._lock = threading.RLock()
 
     # -- accounting ------------------------------------------------------------
 
@@ -127,8 +144,25 @@ class BlockManager:
         size, blocks = self.block_size, seq.blocks
         return [blocks[pos // size] * size + pos % size for pos in range(start, end)]
 
+    @_locked
+    def evict_cached(self, num_blocks: int) -> int:
+        """Evict up to ``num_blocks`` unreferenced cached blocks (whole pages first) to the source.
+
+        What a pool's agent calls when the daemon wants pages back: emptied
+        pages become spare and can be returned. Returns the blocks evicted.
+        """
+        victims = self.cache.evict(min(num_blocks, self.cache.num_evictable))
+        if victims:
+            self.source.free(victims)
+        return len(victims)
+
+    def serve_reclaim_for(self, pool: Any) -> None:
+        """Let ``pool`` (a ``KVPool``) evict this manager's cached blocks to answer a reclaim."""
+        pool.reclaim_hook = self.evict_cached
+
     # -- sequences -------------------------------------------------------------
 
+    @_locked
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
         """Allocate the prompt's blocks, reusing cached full blocks; the number of cached tokens.
 
@@ -154,6 +188,7 @@ class BlockManager:
         self._extend(seq, tokens[seq.num_tokens:])
         return len(hits) * self.block_size
 
+    @_locked
     def append_tokens(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         """Add tokens to a sequence, allocating blocks as needed; PoolExhausted leaves it unchanged."""
         seq = self._get(seq_id)
@@ -163,6 +198,7 @@ class BlockManager:
         seq.blocks.extend(fresh)
         self._extend(seq, tokens)
 
+    @_locked
     def free_sequence(self, seq_id: Hashable) -> None:
         """Drop a sequence: cached full blocks stay (evictable at ref 0), the rest go to the source.
 
@@ -174,6 +210,7 @@ class BlockManager:
         if to_free:
             self.source.free(to_free)
 
+    @_locked
     def fork(self, src_seq_id: Hashable, new_seq_id: Hashable) -> None:
         """A new sequence with the same tokens: full blocks shared, the partial last block copied."""
         src = self._get(src_seq_id)

@@ -55,6 +55,7 @@ class KVPool:
         self.lease = lease
         self.auto_wake = auto_wake
         self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
+        self.reclaim_hook: Callable[[int], int] | None = None  # evicts up to N cache-only blocks
         self.sleep_mode: str | None = None  # "warm"/"cold" while asleep
         self.sleeping_allocator: BlockAllocator | None = None  # a warm sleeper's blocks
         self.awake = threading.Event()

@@ -102,7 +102,12 @@ class PoolAgent:
     def _answer(self, wanted: int) -> None:
         if wanted:
             num_returned = self.pool.return_spare(wanted)
-            log.info("pool %s: returned %d spare page(s) on request", self.pool.name, num_returned)
+            hook = self.pool.reclaim_hook
+            if num_returned < wanted and hook is not None:
+                # Cache-only pages next: evicting unreferenced cached blocks empties pages.
+                hook((wanted - num_returned) * self.pool.blocks_per_page)
+                num_returned += self.pool.return_spare(wanted - num_returned)
+            log.info("pool %s: returned %d page(s) on request", self.pool.name, num_returned)
         with self.pool.lock:
             self.pool.retry_returns()
         used = self.pool.used_bytes

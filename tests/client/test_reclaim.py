@@ -78,3 +78,27 @@ def test_min_bytes_is_never_reclaimed(kvd: RunningDaemon) -> None:
     kvd.check_invariants()
     guarded.close()
     busy.close()
+
+
+def test_cache_only_pages_are_reclaimed_before_anyone_sleeps(kvd: RunningDaemon) -> None:
+    from kvdaemon.client.block_manager import BlockManager
+
+    kvd.daemon.service.reclaimer.sleep_after_s = 5.0  # eviction alone must do it
+    client = kvd.client()
+    cached = client.register("cached", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    manager = BlockManager(cached, salt=b"model-a")
+    manager.serve_reclaim_for(cached)
+    prompt = list(range(6 * BLOCKS_PER_PAGE * SPEC.block_size + 1))
+    manager.add_sequence("req-1", prompt)
+    manager.free_sequence("req-1")  # its full blocks stay cached: six pages hold only cache
+    assert rows(client)["cached"]["mapped_bytes"] == 6 * LOGICAL  # the partial block went back
+    assert manager.num_evictable_blocks >= 6 * BLOCKS_PER_PAGE
+    busy = client.register("busy", SPEC, num_prefetch_pages=0)
+    busy.alloc(4 * BLOCKS_PER_PAGE)
+    now = rows(client)
+    assert now["cached"]["state"] == "active" and now["busy"]["mapped_bytes"] == 4 * LOGICAL
+    assert now["cached"]["mapped_bytes"] <= 4 * LOGICAL
+    assert client.status()["counters"]["victims_slept"] == 0
+    kvd.check_invariants()
+    busy.close()
+    cached.close()
