@@ -182,7 +182,8 @@ class KVClient:
             min_bytes=min_bytes, weight=weight,
         )
         pool = KVPool(
-            lease, spec, num_virtual_pages, num_spare_pages, num_prefetch_pages, auto_wake
+            lease, spec, num_virtual_pages, num_spare_pages, num_prefetch_pages, auto_wake,
+            register_args={"max_bytes": max_bytes, "min_bytes": min_bytes, "weight": weight},
         )
         try:
             pool.start()

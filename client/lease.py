@@ -18,6 +18,7 @@ Cost: one control round trip plus one ``recvmsg`` per 200 pages.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import threading
@@ -160,6 +161,11 @@ class Lease:
         args = self._args() if used_bytes is None else self._args(used_bytes=used_bytes)
         return self.control.call("heartbeat", args)
 
+    def abandon(self) -> None:
+        """Close a lease whose daemon is gone, without telling anyone."""
+        self.lost.set()
+        self.close()
+
     def close(self) -> None:
         """Unregister (the daemon frees our pages) and close the handle channel."""
         if self._sock is None:
@@ -168,7 +174,8 @@ class Lease:
             if not self.lost.is_set():
                 self.control.call("unregister", self._args())
         finally:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):  # the peer may be gone already
+                self._sock.shutdown(socket.SHUT_RDWR)
             if self._reader is not None:
                 self._reader.join(5)
             self._sock.close()

@@ -51,8 +51,10 @@ class KVPool:
         num_spare_pages: int = 2,
         num_prefetch_pages: int = 1,
         auto_wake: bool = False,
+        register_args: dict[str, Any] | None = None,
     ) -> None:
         self.lease = lease
+        self.register_args = register_args or {}  # max/min bytes, weight: for re-registering
         self.auto_wake = auto_wake
         self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
         self.reclaim_hook: Callable[[int], int] | None = None  # evicts up to N cache-only blocks

@@ -19,6 +19,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
+from kvdaemon.client.pool_reconnect import try_reconnect
 from kvdaemon.client.pool_sleep import sleep_pool, wake_pool
 from kvdaemon.errors import KVDaemonError
 
@@ -84,7 +85,10 @@ class PoolAgent:
                 self._revoke()
                 return
             if self.pool.lease.lost.is_set():
-                continue  # the daemon is gone: keep serving from what is mapped
+                # The daemon is gone: keep serving from what is mapped, and move
+                # to a new daemon as soon as one answers on the same directory.
+                try_reconnect(self.pool)
+                continue
             try:
                 self._sleep_or_wake(sleeps)
                 self._answer(wanted)

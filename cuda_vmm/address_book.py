@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from kvdaemon.cuda_vmm.backend import PhysicalPage
 from kvdaemon.errors import BackendError
@@ -139,6 +140,10 @@ class AddressBook:
         rng = self._ranges[start]
         end = start + rng.size_bytes
         return [a for a in self._mapped if start <= a < end]
+
+    def handles_in_use(self) -> set[Any]:
+        """The handles of every mapped page. O(mapped slots)."""
+        return {page.handle for page, _ in self._mapped.values()}
 
     def page_at(self, addr: int) -> PhysicalPage:
         """The page mapped at slot ``addr``; raises if none is."""

@@ -129,6 +129,10 @@ class Backend(Protocol):
         """Free and total bytes of the device."""
         ...
 
+    def prune_imports(self) -> None:
+        """Close imported handles no mapped page uses any more (a dead daemon's pool)."""
+        ...
+
     def copy_out(self, page: PhysicalPage, dest: memoryview) -> None:
         """Copy the page's bytes into host memory ``dest`` (``page_size_bytes`` long)."""
         ...

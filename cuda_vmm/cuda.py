@@ -285,6 +285,9 @@ class CudaBackend:
         free, total = self._check(drv.cuMemGetInfo(), "cuMemGetInfo")
         return MemInfo(free_bytes=int(free), total_bytes=int(total))
 
+    def prune_imports(self) -> None:
+        """Nothing to do: each imported page is its own handle, released with the page."""
+
     def copy_out(self, page: PhysicalPage, dest: memoryview) -> None:
         drv, device_ptr, host_ptr = self._stage(page, dest)
         try:

@@ -262,6 +262,13 @@ class HostBackend:
         vm = psutil.virtual_memory()
         return MemInfo(free_bytes=int(vm.available), total_bytes=int(vm.total))
 
+    def prune_imports(self) -> None:
+        in_use = self._book.handles_in_use()
+        for key, fd in list(self._imported_fds.items()):
+            if fd not in in_use:
+                os.close(fd)
+                del self._imported_fds[key]
+
     def copy_out(self, page: PhysicalPage, dest: memoryview) -> None:
         self._check_copy(page, dest)
         done = 0

@@ -1,0 +1,108 @@
+"""A daemon killed and restarted: engines keep their KV and move to the new daemon."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvdaemon.client import KVClient, KVPool, KVSpec
+from kvdaemon.errors import DaemonUnreachable
+
+from ..conftest import PAGE_BYTES, short_dir
+
+SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes
+
+
+def start_daemon(root: Path) -> subprocess.Popen[bytes]:
+    """A foreground daemon in a child process; returns once it answers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvdaemon", "start", "--foreground", "--dir", str(root),
+         "--backend", "host", "--capacity", "64MiB"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    wait_for(lambda: answers(root), 30, "the daemon did not start")
+    return proc
+
+
+def answers(root: Path) -> bool:
+    try:
+        KVClient(root, timeout_s=0.5).hello()
+    except DaemonUnreachable:
+        return False
+    return True
+
+
+def wait_for(predicate: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    path = short_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def written(pool: KVPool, blocks: list[int], value: float) -> None:
+    pool.key_cache(0)[blocks] = value
+    pool.value_cache(0)[blocks] = -value
+
+
+def holds(pool: KVPool, blocks: list[int], value: float) -> bool:
+    return bool(
+        (pool.key_cache(0)[blocks] == value).all() and (pool.value_cache(0)[blocks] == -value).all()
+    )
+
+
+def test_engines_keep_their_kv_across_a_daemon_restart(root: Path) -> None:
+    first = start_daemon(root)
+    client = KVClient(root)
+    pools = {name: client.register(name, SPEC, num_prefetch_pages=0) for name in ("a", "b")}
+    blocks = {name: pool.alloc(BLOCKS_PER_PAGE + 3) for name, pool in pools.items()}
+    for i, (name, pool) in enumerate(pools.items()):
+        written(pool, blocks[name], float(i + 1))
+    before = {t["name"]: t["mapped_bytes"] for t in client.status()["tenants"]}
+
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(10)
+    wait_for(lambda: all(p.lease.lost.is_set() for p in pools.values()), 5, "lease not lost")
+    for i, (name, pool) in enumerate(pools.items()):  # the engines keep serving their KV
+        assert holds(pool, blocks[name], float(i + 1))
+        pool.key_cache(0)[blocks[name][0]] = 7.0  # and writing it
+        pool.key_cache(0)[blocks[name][0]] = float(i + 1)
+
+    second = start_daemon(root)
+    try:
+        def back() -> bool:
+            rows = {t["name"]: t["mapped_bytes"] for t in client.status()["tenants"]}
+            return rows == before
+
+        wait_for(back, 15, "the tenants did not re-register with the same bytes")
+        for i, (name, pool) in enumerate(pools.items()):
+            assert holds(pool, blocks[name], float(i + 1))
+        more = pools["a"].alloc(2 * BLOCKS_PER_PAGE)  # a later grow works
+        assert not set(more) & set(blocks["a"])
+        for pool in pools.values():
+            pool.close()
+        status = client.status()
+        assert status["tenants"] == [] and status["free_bytes"] == status["capacity_bytes"]
+        client.shutdown()
+        second.wait(30)
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.kill()
+        client.close()
