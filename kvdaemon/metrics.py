@@ -19,7 +19,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvdaemon.errors import ConfigError
 
@@ -66,6 +66,7 @@ class _StatusCollector:
         yield _gauge("kvdaemon_free_bytes", "Bytes of the pool not mapped by any tenant.",
                      status["free_bytes"])  # fmt: skip
         yield from _tenant_gauges(status["tenants"])
+        yield from _sleep_and_reclaim(status)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
@@ -91,6 +92,28 @@ def _tenant_gauges(tenants: list[dict[str, Any]]) -> Iterator[GaugeMetricFamily]
         if tenant.get("max_bytes") is not None:
             limit.add_metric(name, tenant["max_bytes"])
     yield from (mapped, used, limit)
+
+
+def _sleep_and_reclaim(status: dict[str, Any]) -> Iterator[Metric]:
+    """Tenant states, host bytes of warm sleepers, and the sleep and reclaim counters."""
+    state = GaugeMetricFamily(
+        "kvdaemon_tenant_state", "1 for the state a tenant is in.", labels=["tenant", "state"]
+    )
+    host = GaugeMetricFamily(
+        "kvdaemon_tenant_host_bytes", "Bytes a warm sleeper keeps in host memory.",
+        labels=["tenant"],
+    )
+    for tenant in status["tenants"]:
+        state.add_metric([str(tenant["name"]), str(tenant["state"])], 1)
+        host.add_metric([str(tenant["name"])], tenant.get("host_bytes", 0))
+    yield from (state, host)
+    yield _gauge("kvdaemon_host_bytes", "Bytes all warm sleepers keep in host memory.",
+                 status.get("host_bytes", 0))  # fmt: skip
+    counters = status.get("counters", {})
+    for key, doc in (("sleeps", "Tenants put to sleep."), ("wakes", "Tenants woken."),
+                     ("reclaim_requests", "Reclaim requests sent to tenants."),
+                     ("victims_slept", "Idle tenants slept to serve another's grow.")):  # fmt: skip
+        yield CounterMetricFamily(f"kvdaemon_{key}", doc, value=counters.get(key, 0))
 
 
 class Metrics:

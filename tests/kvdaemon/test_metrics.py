@@ -181,3 +181,19 @@ def test_two_instances_coexist(fake: FakeDaemon) -> None:
     finally:
         first.stop()
         second.stop()
+
+
+def test_states_host_bytes_and_sleep_counters(metrics: Metrics, fake: FakeDaemon) -> None:
+    sleeper = {**make_tenant("qwen-b", 0, 0, None), "state": "sleeping-warm", "host_bytes": 6 * MiB}
+    fake.status = {
+        **make_status([make_tenant("llama-a", 2 * MiB, 0, 32 * MiB), sleeper]),
+        "host_bytes": 6 * MiB,
+        "counters": {"sleeps": 3, "wakes": 2, "reclaim_requests": 5, "victims_slept": 1},
+    }
+    samples = scrape(metrics)
+    assert samples[("kvdaemon_tenant_state", (("state", "sleeping-warm"), ("tenant", "qwen-b")))] == 1
+    assert samples[("kvdaemon_tenant_state", (("state", "active"), ("tenant", "llama-a")))] == 1
+    assert samples[("kvdaemon_tenant_host_bytes", (("tenant", "qwen-b"),))] == 6 * MiB
+    assert samples[("kvdaemon_host_bytes", ())] == 6 * MiB
+    assert samples[("kvdaemon_sleeps_total", ())] == 3
+    assert samples[("kvdaemon_victims_slept_total", ())] == 1
