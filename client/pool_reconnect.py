@@ -63,6 +63,13 @@ def try_reconnect(pool: KVPool) -> bool:
 
 
 def _move_pages(pool: KVPool, lease: Lease) -> None:
+    if pool.sleep_mode is not None:  # its warm copy died with the old daemon: wake empty
+        log.warning("pool %s: asleep when its daemon died; it wakes empty", pool.name)
+        pool.allocator = type(pool.allocator)(pool.num_virtual_pages, pool.page_bytes,
+                                              pool.spec.block_bytes)  # fmt: skip
+        pool.sleeping_allocator = None
+        pool.sleep_mode = None
+        pool.awake.set()
     lps = sorted(pool._pages)
     granted = lease.grow(lps) if lps else {}
     staging = pool.backend.reserve(pool.page_bytes)
