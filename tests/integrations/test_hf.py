@@ -145,6 +145,22 @@ def test_generation_continues_from_a_filled_cache(client: KVClient, model: Any) 
     pool.close()
 
 
+def test_generation_continues_across_a_warm_sleep(client: KVClient, model: Any) -> None:
+    ids, mask = left_padded([9, 4])
+    expected = greedy(model, ids, mask, new_tokens=12).sequences
+    pool = register(client, spec_of(model, 4))
+    with PagedCache(pool) as cache:
+        first = greedy(model, ids, mask, cache, new_tokens=5).sequences
+        assert client.sleep(pool.name, "warm")["state"] == "sleeping-warm"
+        assert pool.mapped_bytes == 0  # every page went back to the daemon
+        client.wake(pool.name)
+        assert pool.awake.wait(5)
+        more_mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], dim=1)
+        second = greedy(model, first, more_mask, cache, new_tokens=7).sequences
+    assert second.tolist() == expected.tolist()
+    pool.close()
+
+
 def kv(batch: int, tokens: int, spec: KVSpec) -> torch.Tensor:
     return torch.randn(batch, spec.num_kv_heads, tokens, spec.head_dim)
 
