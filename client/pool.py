@@ -58,6 +58,7 @@ class KVPool:
         self.auto_wake = auto_wake
         self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
         self.reclaim_hook: Callable[[int], int] | None = None  # evicts up to N cache-only blocks
+        self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed
         self.sleep_mode: str | None = None  # "warm"/"cold" while asleep
         self.sleeping_allocator: BlockAllocator | None = None  # a warm sleeper's blocks
         self.awake = threading.Event()
@@ -218,7 +219,12 @@ class KVPool:
                 self.sleeping_allocator.free(block_ids)
                 return
             self.allocator.free(block_ids)
-            extra = len(self.allocator.spare) - self.num_spare_pages
+            spare = self.allocator.spare
+            extra = len(spare) - self.num_spare_pages
+            if self.owed_pages and spare:
+                owed = min(len(spare), self.owed_pages)
+                self.owed_pages -= owed
+                extra = max(extra, owed)
             if extra > 0:
                 self._return(self.allocator.spare_pages()[:extra])
         finally:
@@ -249,6 +255,7 @@ class KVPool:
                 except (NoMemory, OverLimit) as again:
                     raise PoolExhausted(f"daemon refused {needed} page(s): {again.message}") from again
             self._map(granted)
+            self.owed_pages = 0  # the daemon granted more: it no longer wants pages back
 
     def _grow(self, wanted: list[int]) -> dict[int, list[Any]]:
         """One grow; if its reply never came, try to give the pages back so both sides agree."""

@@ -111,6 +111,9 @@ class PoolAgent:
                 # Cache-only pages next: evicting unreferenced cached blocks empties pages.
                 hook((wanted - num_returned) * self.pool.blocks_per_page)
                 num_returned += self.pool.return_spare(wanted - num_returned)
+            if num_returned < wanted:
+                with self.pool.lock:  # the rest go back as their blocks are freed
+                    self.pool.owed_pages = max(self.pool.owed_pages, wanted - num_returned)
             log.info("pool %s: returned %d page(s) on request", self.pool.name, num_returned)
         with self.pool.lock:
             self.pool.retry_returns()

@@ -114,6 +114,9 @@ def main() -> None:
               help="Sleep tenants idle this long (300, 300s, 5m, off).")
 @click.option("--idle-mode", type=click.Choice(("warm", "cold"), case_sensitive=False),
               help="How idle tenants sleep [default: warm].")
+@click.option("--reclaim-sleep/--no-reclaim-sleep", default=None,
+              help="Warm-sleep an idle tenant when a grow cannot be served otherwise "
+                   "[default: on].")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               help="Logging level [default: INFO].")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),

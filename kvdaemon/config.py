@@ -48,6 +48,7 @@ class DaemonConfig:
     metrics_port: int | None = None
     idle_sleep_s: float | None = None
     idle_mode: str = "warm"
+    reclaim_sleep: bool = True
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -98,6 +99,8 @@ class DaemonConfig:
             argv += ["--metrics-port", str(self.metrics_port)]
         if self.idle_sleep_s is not None:
             argv += ["--idle-sleep", repr(self.idle_sleep_s), "--idle-mode", self.idle_mode]
+        if not self.reclaim_sleep:
+            argv += ["--no-reclaim-sleep"]
         return argv
 
 
@@ -260,6 +263,17 @@ def _parse_idle_mode(raw: Any) -> str:
     return _check_idle_mode(raw.strip().lower())
 
 
+def _parse_reclaim_sleep(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"reclaim sleep must be on or off, got {raw!r}")
+
+
 def _parse_log_level(raw: Any) -> str:
     if not isinstance(raw, str):
         raise ConfigError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {raw!r}")
@@ -275,6 +289,9 @@ KEYS: dict[str, _Key] = {
     "metrics_port": _Key("metrics_port", "--metrics-port", "KVDAEMON_METRICS_PORT", _parse_port),
     "idle_sleep": _Key("idle_sleep_s", "--idle-sleep", "KVDAEMON_IDLE_SLEEP", _parse_idle_sleep),
     "idle_mode": _Key("idle_mode", "--idle-mode", "KVDAEMON_IDLE_MODE", _parse_idle_mode),
+    "reclaim_sleep": _Key(
+        "reclaim_sleep", "--reclaim-sleep", "KVDAEMON_RECLAIM_SLEEP", _parse_reclaim_sleep
+    ),
     "log_level": _Key("log_level", "--log-level", "KVDAEMON_LOG_LEVEL", _parse_log_level),
 }
 

@@ -3,12 +3,14 @@
 When a grow finds too few free pages, and other tenants hold enough above
 their ``min_bytes``, the grow is parked (its reply waits) and the daemon:
 
-1. at once asks the victims (ordered by bytes above ``min_bytes`` per unit of
-   weight, largest first) to give back spare pages (``reclaim`` notice; a pool
-   answers from its agent thread, even while its engine is idle);
-2. after ``sleep_after_s``, if the grow still waits and ``sleep_victims`` is on,
-   warm-sleeps the longest-idle victim that has no ``min_bytes`` guarantee;
-3. retries parked grows, oldest first, after every request and every tick; a
+1. at once asks victims, in order of bytes above ``min_bytes`` per unit of
+   weight (largest first), for just the pages it lacks (``reclaim`` notice; a
+   pool answers from its agent thread with spare pages, then cache-only pages,
+   even while its engine is idle);
+2. after ``sleep_after_s``, asks every victim for what is still missing;
+3. after twice that, if ``sleep_victims`` is on, warm-sleeps the longest-idle
+   victim that has no ``min_bytes`` guarantee;
+4. retries parked grows, oldest first, after every request and every tick; a
    grow still short at ``wait_s`` is answered ``NO_MEMORY``.
 
 A grow that no reclaim could serve (the others hold nothing above their
@@ -45,7 +47,7 @@ class ParkedGrow:
     wanted: list[int]
     waiter: tuple[bytes, int | None]
     parked_at: float
-    slept_victim: bool = False
+    stage: int = 0  # 0: the first victims asked; 1: all asked; 2: a victim slept
 
 
 class Reclaimer:
@@ -66,16 +68,24 @@ class Reclaimer:
         victims = self._victims(tenant)
         if sum(pages for _, pages in victims) < short:
             return False
+        self._ask(victims, short, stop_when_covered=True)
+        self.parked.append(ParkedGrow(tenant.tenant_id, wanted, waiter, time.monotonic()))
+        return True
+
+    def _ask(self, victims: list[tuple[Tenant, int]], short: int, stop_when_covered: bool) -> None:
+        """Send reclaim notices for ``short`` pages, best victim first."""
+        remaining = short
         for victim, pages_above_min in victims:
-            lpb = victim.spec.num_segments
-            num_logical = min(pages_above_min, short) // lpb + 1
+            if remaining <= 0 and stop_when_covered:
+                return
+            ask = min(pages_above_min, max(remaining, 1))
+            num_logical = -(-ask // victim.spec.num_segments)
             self.service.leases.send_notice(
                 victim.tenant_id,
                 {"notice": "reclaim", "args": {"tenant": victim.name, "num_pages": num_logical}},
             )
             self.num_reclaim_requests += 1
-        self.parked.append(ParkedGrow(tenant.tenant_id, wanted, waiter, time.monotonic()))
-        return True
+            remaining -= num_logical * victim.spec.num_segments
 
     def _victims(self, requester: Tenant) -> list[tuple[Tenant, int]]:
         """Other active tenants with pages above ``min_bytes``: (tenant, pages above), best first."""
@@ -109,14 +119,25 @@ class Reclaimer:
             if now - parked.parked_at >= self.wait_s:
                 self._answer(parked, reply_error(parked.waiter[1], exc))
                 return True
-            if not parked.slept_victim and now - parked.parked_at >= self.sleep_after_s:
-                parked.slept_victim = self._sleep_a_victim(tenant)
+            self._escalate(parked, tenant, now)
             return False
         except KVDaemonError as exc:
             self._answer(parked, reply_error(parked.waiter[1], exc))
             return True
         self._answer(parked, reply_ok(parked.waiter[1], result))
         return True
+
+    def _escalate(self, parked: ParkedGrow, tenant: Tenant | None, now: float) -> None:
+        waited = now - parked.parked_at
+        if tenant is None:
+            return
+        if parked.stage == 0 and waited >= self.sleep_after_s:
+            short = len(parked.wanted) * tenant.spec.num_segments - self.service.pool.num_free
+            self._ask(self._victims(tenant), short, stop_when_covered=False)
+            parked.stage = 1
+        elif parked.stage == 1 and waited >= 2 * self.sleep_after_s:
+            self._sleep_a_victim(tenant)
+            parked.stage = 2
 
     def _sleep_a_victim(self, requester: Tenant | None) -> bool:
         if not self.sleep_victims or requester is None:

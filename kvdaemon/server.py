@@ -69,6 +69,7 @@ class Daemon:
         self.service = Service(
             backend, self.leases, on_grant=self._on_grant, on_shrink=self._on_shrink
         )
+        self.service.reclaimer.sleep_victims = cfg.reclaim_sleep
         old_umask = os.umask(0o077)
         try:
             self._bind_control()

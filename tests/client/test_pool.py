@@ -204,3 +204,19 @@ def test_bad_counts_are_refused(kvd: RunningDaemon, count: object) -> None:
     assert pool.num_used_blocks == 0
     assert pool.alloc(0) == []
     pool.close()
+
+
+def test_a_lowered_limit_takes_busy_pages_as_their_blocks_are_freed(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd, num_spare_pages=8, num_prefetch_pages=0)
+    blocks = pool.alloc(4 * BLOCKS_PER_PAGE)  # four pages, all in use: nothing spare
+    client.set_limit("a", max_bytes=2 * LOGICAL_PAGE_BYTES)
+    time.sleep(0.3)
+    assert tenant_row(client, "a")["mapped_bytes"] == 4 * LOGICAL_PAGE_BYTES  # live blocks stay
+    pool.free(blocks[: BLOCKS_PER_PAGE])  # one page empties: it goes back despite the spare bound
+    assert tenant_row(client, "a")["mapped_bytes"] == 3 * LOGICAL_PAGE_BYTES
+    pool.free(blocks[BLOCKS_PER_PAGE : 2 * BLOCKS_PER_PAGE])
+    assert tenant_row(client, "a")["mapped_bytes"] == 2 * LOGICAL_PAGE_BYTES
+    pool.free(blocks[2 * BLOCKS_PER_PAGE :])  # within the limit again: spare pages may stay
+    assert tenant_row(client, "a")["mapped_bytes"] == 2 * LOGICAL_PAGE_BYTES
+    kvd.check_invariants()
+    pool.close()

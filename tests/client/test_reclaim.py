@@ -102,3 +102,20 @@ def test_cache_only_pages_are_reclaimed_before_anyone_sleeps(kvd: RunningDaemon)
     kvd.check_invariants()
     busy.close()
     cached.close()
+
+
+def test_the_lighter_tenant_gives_first(kvd: RunningDaemon) -> None:
+    kvd.daemon.service.reclaimer.sleep_after_s = 5.0
+    client = kvd.client()
+    light = client.register("light", SPEC, weight=1.0, num_spare_pages=8, num_prefetch_pages=0)
+    heavy = client.register("heavy", SPEC, weight=4.0, num_spare_pages=8, num_prefetch_pages=0)
+    for pool in (light, heavy):
+        pool.free(pool.alloc(3 * BLOCKS_PER_PAGE))  # three spare pages each; two pages free
+    busy = client.register("busy", SPEC, num_prefetch_pages=0)
+    busy.alloc(3 * BLOCKS_PER_PAGE)  # one page short
+    now = rows(client)
+    assert now["light"]["mapped_bytes"] == 2 * LOGICAL
+    assert now["heavy"]["mapped_bytes"] == 3 * LOGICAL
+    kvd.check_invariants()
+    for pool in (light, heavy, busy):
+        pool.close()

@@ -290,3 +290,13 @@ def test_idle_mode_from_env_and_file(tmp_path: Path) -> None:
     assert config.to_argv()[-4:] == ["--idle-sleep", "60.0", "--idle-mode", "cold"]
     with pytest.raises(ConfigError, match="idle mode"):
         load_config({}, {"KVDAEMON_IDLE_MODE": "lukewarm"}, None)
+
+
+def test_reclaim_sleep_is_on_unless_turned_off(tmp_path: Path) -> None:
+    assert load_config({}, {}, None).reclaim_sleep is True
+    off = load_config({"reclaim_sleep": False}, {}, None)
+    assert off.reclaim_sleep is False and off.to_argv()[-1] == "--no-reclaim-sleep"
+    assert load_config({}, {"KVDAEMON_RECLAIM_SLEEP": "off"}, None).reclaim_sleep is False
+    assert load_config({}, {}, write_toml(tmp_path, "reclaim_sleep = false\n")).reclaim_sleep is False
+    with pytest.raises(ConfigError, match="reclaim sleep"):
+        load_config({}, {"KVDAEMON_RECLAIM_SLEEP": "maybe"}, None)
