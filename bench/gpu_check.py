@@ -458,6 +458,57 @@ def check_view_before_map() -> Figures:
     return {"bytes_checked": 2 * PAGE}
 
 
+def check_swap_copy() -> Figures:
+    """Warm-sleep copies: device pages to host memory and back, bit-exact, with bandwidth.
+
+    Guarantees on PASS: ``copy_out`` then ``copy_in`` into fresh pages restores
+    every byte (what a warm sleep and wake do in the daemon); the bandwidth of
+    both directions is reported against torch's pinned-memory copies.
+    Cost: ``VIEW_PAGES`` pages twice, and the same bytes of host memory.
+    """
+    import mmap
+
+    size = VIEW_PAGES * PAGE
+    with started(CudaBackend(num_pages=2 * VIEW_PAGES)) as backend:
+        addr = backend.reserve(size)
+        pages = [backend.create_page(i) for i in range(VIEW_PAGES)]
+        for i, page in enumerate(pages):
+            backend.map_page(addr + i * PAGE, page)
+        backend.tensor(addr, size, torch.int32).copy_(pattern(size // 4, seed=5))
+        torch.cuda.synchronize()
+        host = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = memoryview(host)
+        t0 = time.perf_counter()
+        for i, page in enumerate(pages):
+            backend.copy_out(page, view[i * PAGE : (i + 1) * PAGE])
+        out_s = time.perf_counter() - t0
+        backend.unmap(addr, size)
+        fresh = [backend.create_page(VIEW_PAGES + i) for i in range(VIEW_PAGES)]
+        t0 = time.perf_counter()
+        for i, page in enumerate(fresh):
+            backend.copy_in(page, view[i * PAGE : (i + 1) * PAGE])
+        in_s = time.perf_counter() - t0
+        for i, page in enumerate(fresh):
+            backend.map_page(addr + i * PAGE, page)
+        check_copy(backend.tensor(addr, size, torch.int32), 5, "bytes restored into fresh pages")
+        pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        device = torch.empty(size, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        pinned.copy_(device)
+        device.copy_(pinned)
+        torch.cuda.synchronize()
+        torch_s = time.perf_counter() - t0
+        view.release()
+        host.close()
+    return {
+        "bytes": size,
+        "copy_out_gbps": round(size / out_s / 1e9, 2),
+        "copy_in_gbps": round(size / in_s / 1e9, 2),
+        "torch_pinned_round_trip_gbps": round(2 * size / torch_s / 1e9, 2),
+    }
+
+
 CHECKS: list[tuple[str, Callable[[], Figures]]] = [
     ("cuda_start", check_cuda_start),
     ("cross_process", check_cross_process),
@@ -465,6 +516,7 @@ CHECKS: list[tuple[str, Callable[[], Figures]]] = [
     ("torch_view", check_torch_view),
     ("view_before_map", check_view_before_map),
     ("attention", gpu_attention_check),
+    ("swap_copy", check_swap_copy),
 ]
 
 
