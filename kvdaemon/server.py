@@ -224,6 +224,7 @@ class Daemon:
             for tenant in list(self.service.tenants.values()):
                 self.service.remove(tenant)
         self.service.backend.close()
+        self.service.sleeper.buffers.clear()
         if self.metrics is not None:
             self.metrics.stop()
         if self._router is not None:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvdaemon.sleep")
 SLEEP_TIMEOUT_S = 10.0
+MAX_CACHED_BUFFER_BYTES = 2 << 30  # host memory kept for the next warm sleep, at most
 DEFERRED = object()  # an op's result meaning "the reply comes later"
 
 
@@ -59,6 +60,7 @@ class Sleeper:
         self._ids = itertools.count(1)
         self.num_sleeps = 0
         self.num_wakes = 0
+        self.buffers = swap.BufferCache(min(service.pool.capacity_bytes, MAX_CACHED_BUFFER_BYTES))
 
     def begin(self, tenant: Tenant, mode: str, waiter: tuple[bytes, int | None] | None) -> None:
         """Ask ``tenant`` to quiesce; the caller's reply waits for ``finish`` or ``expire``.
@@ -83,7 +85,9 @@ class Sleeper:
         if pending is None or pending.sleep_id != sleep_id:
             raise Conflict(f"sleep {sleep_id} of {tenant.name!r} was cancelled or never asked")
         if pending.mode == "warm":
-            tenant.warm = swap.save(self.service.backend, tenant.logical, tenant.spec.num_segments)
+            tenant.warm = swap.save(
+                self.service.backend, tenant.logical, tenant.spec.num_segments, self.buffers
+            )
         num_pages = self._free_pages(tenant)
         tenant.pending_sleep = None
         tenant.state = f"sleeping-{pending.mode}"

@@ -19,6 +19,42 @@ from dataclasses import dataclass
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 
 
+class BufferCache:
+    """Host buffers of finished warm copies, kept for the next sleep of the same size.
+
+    Fresh memory costs a page fault per 4 KiB on first touch, often more than
+    the copy itself; a reused buffer is already backed. At most
+    ``max_bytes`` are kept; the rest go back to the OS.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._buffers: list[mmap.mmap] = []
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(len(b) for b in self._buffers)
+
+    def take(self, size: int) -> mmap.mmap:
+        for i, buffer in enumerate(self._buffers):
+            if len(buffer) == size:
+                return self._buffers.pop(i)
+        buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            buffer.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults where THP is on
+        return buffer
+
+    def give(self, buffer: mmap.mmap) -> None:
+        if self.cached_bytes + len(buffer) <= self.max_bytes:
+            self._buffers.append(buffer)
+        else:
+            buffer.close()
+
+    def clear(self) -> None:
+        while self._buffers:
+            self._buffers.pop().close()
+
+
 @dataclass
 class WarmCopy:
     """The saved bytes of one tenant: logical page order and one host buffer."""
@@ -26,23 +62,24 @@ class WarmCopy:
     logical_pages: list[int]
     num_segments: int
     buffer: mmap.mmap
+    cache: BufferCache
 
     @property
     def host_bytes(self) -> int:
         return len(self.buffer)
 
     def discard(self) -> None:
-        self.buffer.close()
+        self.cache.give(self.buffer)
 
 
-def save(backend: Backend, logical: dict[int, list[PhysicalPage]], num_segments: int) -> WarmCopy:
+def save(
+    backend: Backend, logical: dict[int, list[PhysicalPage]], num_segments: int, cache: BufferCache
+) -> WarmCopy:
     """Copy the pages of ``logical`` (``{lp: [page per segment]}``) into host memory."""
     page_bytes = backend.page_size_bytes
     order = sorted(logical)
     size = max(1, len(order) * num_segments * page_bytes)
-    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)  # 512x fewer page faults where THP is on
+    buffer = cache.take(size)
     view = memoryview(buffer)
     try:
         for i, lp in enumerate(order):
@@ -51,7 +88,7 @@ def save(backend: Backend, logical: dict[int, list[PhysicalPage]], num_segments:
                 backend.copy_out(page, view[start : start + page_bytes])
     finally:
         view.release()
-    return WarmCopy(order, num_segments, buffer)
+    return WarmCopy(order, num_segments, buffer, cache)
 
 
 def restore(backend: Backend, copy: WarmCopy, logical: dict[int, list[PhysicalPage]]) -> None:
