@@ -35,11 +35,18 @@ def sleep_pool(pool: KVPool, mode: str, sleep_id: int) -> None:
         pool.quiesce_hook()
     with pool.lock:
         pages = dict(pool._pages)
+        allocator = pool.allocator
         _unmap_keep(pool, pages)
-        pool.awake.clear()  # before the daemon answers anyone: a wake must find us asleep
+        # Asleep locally before the daemon answers anyone (a waiting caller, a wake).
+        pool._pages.clear()
+        pool.sleeping_allocator = allocator if mode == "warm" else None
+        pool.allocator = _empty_allocator(pool)
+        pool.sleep_mode = mode
+        pool.awake.clear()
         try:
             pool.lease.sleep_ready(sleep_id)
         except KVDaemonError:
+            pool.allocator, pool.sleeping_allocator, pool.sleep_mode = allocator, None, None
             _remap(pool, pages)
             pool.awake.set()
             log.warning("pool %s: sleep %d refused; pages mapped back", pool.name, sleep_id)
@@ -47,10 +54,6 @@ def sleep_pool(pool: KVPool, mode: str, sleep_id: int) -> None:
         for lp_pages in pages.values():
             for page in lp_pages:
                 pool.backend.release_page(page)
-        pool._pages.clear()
-        pool.sleeping_allocator = pool.allocator if mode == "warm" else None
-        pool.allocator = _empty_allocator(pool)
-        pool.sleep_mode = mode
     log.info("pool %s is asleep (%s)", pool.name, mode)
 
 

@@ -133,6 +133,14 @@ class Backend(Protocol):
         """Close imported handles no mapped page uses any more (a dead daemon's pool)."""
         ...
 
+    def pin_host(self, buffer: memoryview) -> None:
+        """Page-lock a host buffer for fast device copies (cuda); a no-op on the host backend."""
+        ...
+
+    def unpin_host(self, buffer: memoryview) -> None:
+        """Undo ``pin_host``."""
+        ...
+
     def copy_out(self, page: PhysicalPage, dest: memoryview) -> None:
         """Copy the page's bytes into host memory ``dest`` (``page_size_bytes`` long)."""
         ...

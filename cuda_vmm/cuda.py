@@ -288,6 +288,14 @@ class CudaBackend:
     def prune_imports(self) -> None:
         """Nothing to do: each imported page is its own handle, released with the page."""
 
+    def pin_host(self, buffer: memoryview) -> None:
+        drv = self._driver()
+        self._check(drv.cuMemHostRegister(_address(buffer), len(buffer), 0), "cuMemHostRegister")
+
+    def unpin_host(self, buffer: memoryview) -> None:
+        drv = self._driver()
+        self._check(drv.cuMemHostUnregister(_address(buffer)), "cuMemHostUnregister")
+
     def copy_out(self, page: PhysicalPage, dest: memoryview) -> None:
         drv, device_ptr, host_ptr = self._stage(page, dest)
         try:
@@ -310,8 +318,7 @@ class CudaBackend:
         if self._staging == 0:
             self._staging = self.reserve(self.page_size_bytes)
         self.map_page(self._staging, page)
-        host = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
-        return drv, drv.CUdeviceptr(self._staging), host
+        return drv, drv.CUdeviceptr(self._staging), _address(buf)
 
 
 class _DeviceBytes:
@@ -326,3 +333,8 @@ class _DeviceBytes:
             "strides": None,
             "stream": None,
         }
+
+
+def _address(buffer: memoryview) -> int:
+    """The address of a writable host buffer."""
+    return ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))

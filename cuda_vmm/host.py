@@ -269,6 +269,12 @@ class HostBackend:
                 os.close(fd)
                 del self._imported_fds[key]
 
+    def pin_host(self, buffer: memoryview) -> None:
+        """Nothing to do: host pages are copied by the kernel."""
+
+    def unpin_host(self, buffer: memoryview) -> None:
+        """Nothing to do."""
+
     def copy_out(self, page: PhysicalPage, dest: memoryview) -> None:
         self._check_copy(page, dest)
         done = 0

@@ -223,8 +223,8 @@ class Daemon:
         with self.service.lock:
             for tenant in list(self.service.tenants.values()):
                 self.service.remove(tenant)
+        self.service.sleeper.buffers.clear()  # unpinning needs the backend still open
         self.service.backend.close()
-        self.service.sleeper.buffers.clear()
         if self.metrics is not None:
             self.metrics.stop()
         if self._router is not None:

@@ -60,7 +60,9 @@ class Sleeper:
         self._ids = itertools.count(1)
         self.num_sleeps = 0
         self.num_wakes = 0
-        self.buffers = swap.BufferCache(min(service.pool.capacity_bytes, MAX_CACHED_BUFFER_BYTES))
+        self.buffers = swap.BufferCache(
+            min(service.pool.capacity_bytes, MAX_CACHED_BUFFER_BYTES), service.backend
+        )
 
     def begin(self, tenant: Tenant, mode: str, waiter: tuple[bytes, int | None] | None) -> None:
         """Ask ``tenant`` to quiesce; the caller's reply waits for ``finish`` or ``expire``.
