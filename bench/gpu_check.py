@@ -102,13 +102,16 @@ def started(backend: CudaBackend) -> Iterator[CudaBackend]:
     is dropped so that the body's error is the one reported.
     """
     backend.start()
+    body_done = False
     try:
         yield backend
-    except BaseException:
-        with contextlib.suppress(BackendError):
+        body_done = True
+    finally:
+        if body_done:
             backend.close()
-        raise
-    backend.close()
+        else:
+            with contextlib.suppress(BackendError):
+                backend.close()
 
 
 def spread(name: str, samples_ns: list[int]) -> Figures:
