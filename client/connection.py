@@ -42,7 +42,7 @@ class KVClient:
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
         self._backend: Any = None
-        self._open_pools: set[int] = set()  # id() of pools registered here and not yet closed
+        self._open_pools: dict[int, KVPool] = {}  # id() -> pools registered here, not yet closed
         self._closed = False
 
     # -- transport -------------------------------------------------------------
@@ -145,8 +145,15 @@ class KVClient:
         return self.call("sleep", {"name": name, "mode": mode}, timeout_s=timeout_s)
 
     def wake(self, name: str, timeout_s: float = 60.0) -> dict[str, Any]:
-        """Wake tenant ``name``: fresh pages at the same addresses, bytes restored if warm."""
-        return self.call("wake", {"name": name}, timeout_s=timeout_s)
+        """Wake tenant ``name``: fresh pages at the same addresses, bytes restored if warm.
+
+        When the tenant is a pool of this client, returns once the pool has mapped them.
+        """
+        result = self.call("wake", {"name": name}, timeout_s=timeout_s)
+        for pool in list(self._open_pools.values()):
+            if pool.name == name:
+                pool.awake.wait(timeout_s)
+        return result
 
     def shutdown(self) -> None:
         """Ask the daemon to exit (it releases every page first)."""
@@ -190,12 +197,12 @@ class KVClient:
         except KVDaemonError:
             lease.close()
             raise
-        self._open_pools.add(id(pool))
+        self._open_pools[id(pool)] = pool
         return pool
 
     def pool_closed(self, pool: KVPool) -> None:
         """Called by ``KVPool.close``: the last pool of a closed client closes the backend."""
-        self._open_pools.discard(id(pool))
+        self._open_pools.pop(id(pool), None)
         if self._closed and not self._open_pools:
             self._close_backend()
 

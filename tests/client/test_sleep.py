@@ -72,7 +72,7 @@ def test_warm_sleep_keeps_every_byte_at_the_same_addresses(kvd: RunningDaemon) -
     kvd.check_invariants()
 
     assert client.wake("a")["state"] == "active"
-    wait_awake(pool)
+    assert pool.awake.is_set(), "wake returns once this client's pool has mapped its pages"
     assert [pool.key_cache(0).data_ptr(), pool.value_cache(1).data_ptr()] == addresses
     for before, after in zip(written, read(pool, blocks)):
         assert torch.equal(before, after)
