@@ -130,6 +130,15 @@ class Grants:
             self.on_shrink(len(wanted) * tenant.spec.num_segments)
         return {"num_released": len(wanted), "mapped_bytes": tenant.mapped_bytes}
 
+    def release_all(self, tenant: Tenant) -> int:
+        """Give every page ``tenant`` holds back to the pool; return how many went."""
+        num_pages = 0
+        for pages in tenant.logical.values():
+            self.pool.free([p.page_id for p in pages])
+            num_pages += len(pages)
+        tenant.logical.clear()
+        return num_pages
+
     def ask_back_excess(self, tenant: Tenant) -> None:
         """Ask a tenant over its limit to return the logical pages above it."""
         excess = tenant.mapped_bytes - tenant.max_bytes

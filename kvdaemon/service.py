@@ -265,11 +265,7 @@ class Service:
 
     def remove(self, tenant: Tenant) -> int:
         """Forget ``tenant`` and free every page it holds; return the pages freed."""
-        num_pages = 0
-        for pages in tenant.logical.values():
-            self.pool.free([p.page_id for p in pages])
-            num_pages += len(pages)
-        tenant.logical.clear()
+        num_pages = self.grants.release_all(tenant)
         self.sleeper.forget(tenant)
         del self.tenants[tenant.name]
         del self.by_id[tenant.tenant_id]

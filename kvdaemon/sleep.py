@@ -90,7 +90,7 @@ class Sleeper:
             tenant.warm = swap.save(
                 self.service.backend, tenant.logical, tenant.spec.num_segments, self.buffers
             )
-        num_pages = self._free_pages(tenant)
+        num_pages = self.service.grants.release_all(tenant)
         tenant.pending_sleep = None
         tenant.state = f"sleeping-{pending.mode}"
         self.num_sleeps += 1
@@ -154,14 +154,6 @@ class Sleeper:
             tenant.pending_sleep = None
             gone = KVDaemonError(f"tenant {tenant.name!r} went away while going to sleep")
             self._answer(waiter, reply_error(_request_id(waiter), gone))
-
-    def _free_pages(self, tenant: Tenant) -> int:
-        num_pages = 0
-        for pages in tenant.logical.values():
-            self.service.pool.free([p.page_id for p in pages])
-            num_pages += len(pages)
-        tenant.logical.clear()
-        return num_pages
 
     def _answer(self, waiter: tuple[bytes, int | None] | None, payload: bytes) -> None:
         if waiter is not None:

@@ -132,12 +132,15 @@ def test_reset_frees_blocks_and_the_cache_is_reusable(client: KVClient, model: A
     pool.close()
 
 
-def test_generation_continues_from_a_filled_cache(client: KVClient, model: Any) -> None:
+def generate_in_two_parts(client: KVClient, model: Any, between: Any = None) -> None:
+    """5 tokens, then ``between(pool)``, then 7 more from the same cache: equal to 12 at once."""
     ids, mask = left_padded([9, 4])
     expected = greedy(model, ids, mask, new_tokens=12).sequences
     pool = register(client, spec_of(model, 4))
     with PagedCache(pool) as cache:
         first = greedy(model, ids, mask, cache, new_tokens=5).sequences
+        if between is not None:
+            between(pool)
         more_mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], dim=1)
         second = greedy(model, first, more_mask, cache, new_tokens=7).sequences
     assert second.tolist() == expected.tolist()
@@ -145,20 +148,18 @@ def test_generation_continues_from_a_filled_cache(client: KVClient, model: Any) 
     pool.close()
 
 
+def test_generation_continues_from_a_filled_cache(client: KVClient, model: Any) -> None:
+    generate_in_two_parts(client, model)
+
+
 def test_generation_continues_across_a_warm_sleep(client: KVClient, model: Any) -> None:
-    ids, mask = left_padded([9, 4])
-    expected = greedy(model, ids, mask, new_tokens=12).sequences
-    pool = register(client, spec_of(model, 4))
-    with PagedCache(pool) as cache:
-        first = greedy(model, ids, mask, cache, new_tokens=5).sequences
+    def sleep_and_wake(pool: KVPool) -> None:
         assert client.sleep(pool.name, "warm")["state"] == "sleeping-warm"
         assert pool.mapped_bytes == 0  # every page went back to the daemon
         client.wake(pool.name)
         assert pool.awake.wait(5)
-        more_mask = torch.cat([mask, torch.ones(2, 5, dtype=mask.dtype)], dim=1)
-        second = greedy(model, first, more_mask, cache, new_tokens=7).sequences
-    assert second.tolist() == expected.tolist()
-    pool.close()
+
+    generate_in_two_parts(client, model, sleep_and_wake)
 
 
 def kv(batch: int, tokens: int, spec: KVSpec) -> torch.Tensor:
