@@ -156,6 +156,22 @@ class BlockManager:
             self.source.free(victims)
         return len(victims)
 
+    @_locked
+    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens ``add_sequence(.., token_ids)`` would find cached now; changes nothing. O(len)."""
+        hits, _ = self._match_prefix(token_array(token_ids).tolist())
+        return len(hits) * self.block_size
+
+    @_locked
+    def drop_all(self) -> None:
+        """Forget every sequence and cached block without returning them to the source.
+
+        For a source that lost its blocks (a pool woken from a cold sleep): the
+        ids are no longer the manager's to free. O(1).
+        """
+        self._seqs = {}
+        self.cache = PrefixCache(self.source.blocks_per_page, self.cache.salt)
+
     def serve_reclaim_for(self, pool: Any) -> None:
         """Let ``pool`` (a ``KVPool``) evict this manager's cached blocks to answer a reclaim."""
         pool.reclaim_hook = self.evict_cached

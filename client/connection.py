@@ -171,12 +171,16 @@ class KVClient:
         num_spare_pages: int = 2,
         num_prefetch_pages: int = 1,
         auto_wake: bool = False,
+        grow_wait_s: float | None = None,
     ) -> KVPool:
         """Register a tenant and return its started ``KVPool``.
 
         ``virtual_bytes`` (default: the daemon's capacity) is the KV capacity
         the pool's views span, over all segments; nothing is mapped until
-        ``alloc``. Raises ``Conflict`` if the name is taken.
+        ``alloc``. ``grow_wait_s`` bounds how long a grow waits for other
+        tenants' pages (``None``: the daemon's 2 s; ``0``: ``PoolExhausted`` at
+        once, while the others are still asked to give pages back).
+        Raises ``Conflict`` if the name is taken.
         """
         info = self.daemon_info or self.hello()
         page = int(info["page_size"])
@@ -192,6 +196,7 @@ class KVClient:
             lease, spec, num_virtual_pages, num_spare_pages, num_prefetch_pages, auto_wake,
             register_args={"max_bytes": max_bytes, "min_bytes": min_bytes, "weight": weight},
         )
+        pool.grow_wait_s = grow_wait_s
         try:
             pool.start()
         except KVDaemonError:

@@ -97,13 +97,18 @@ class Lease:
     def _args(self, **extra: Any) -> dict[str, Any]:
         return {"tenant": self.name, "token": self.token, **extra}
 
-    def grow(self, logical_pages: list[int]) -> dict[int, list[PhysicalPage]]:
+    def grow(self, logical_pages: list[int], wait_s: float | None = None) -> dict[int, list[PhysicalPage]]:
         """Map nothing yet: obtain and import one page per segment for each logical page.
 
         Returns ``{logical_page: [page of segment 0, 1, ...]}``. Raises
         ``NoMemory``/``OverLimit``/``Asleep`` from the daemon, with nothing granted.
+        ``wait_s`` bounds how long the daemon may wait for other tenants to give
+        pages back (``None``: the daemon's default, 2 s; ``0``: fail at once).
         """
-        reply = self.control.call("grow", self._args(logical_pages=list(logical_pages)))
+        args = self._args(logical_pages=list(logical_pages))
+        if wait_s is not None:
+            args["wait_s"] = wait_s
+        reply = self.control.call("grow", args)
         return self.receive_grant(reply["grant_id"], reply["pages"])
 
     def receive_grant(self, grant_id: int, pages: list[list[Any]]) -> dict[int, list[PhysicalPage]]:

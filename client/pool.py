@@ -10,6 +10,8 @@ under the views only while blocks need them:
   first); when too few are free it asks the daemon for the missing logical
   pages in one grow, plus ``num_prefetch_pages`` ahead when the limit allows.
   If the daemon refuses, ``PoolExhausted`` is raised and nothing is allocated.
+  A grow the free pages cannot serve waits for other tenants to give pages
+  back up to ``grow_wait_s`` (``None``: the daemon's 2 s; ``0``: refuse at once).
 - ``free(ids)`` returns blocks; pages no live block touches are *spare*, and
   spare pages beyond ``num_spare_pages`` go back to the daemon at once.
 - A daemon ``reclaim`` notice (a lowered limit) is answered by a background
@@ -56,7 +58,10 @@ class KVPool:
         self.lease = lease
         self.register_args = register_args or {}  # max/min bytes, weight: for re-registering
         self.auto_wake = auto_wake
+        # How long a grow may wait for other tenants' pages (None: the daemon's 2 s; 0: fail at once).
+        self.grow_wait_s: float | None = None
         self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
+        self.resume_hook: Callable[[], None] | None = None  # after a sleep: the engine may step again
         self.reclaim_hook: Callable[[int], int] | None = None  # evicts up to N cache-only blocks
         self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed
         self.sleep_mode: str | None = None  # "warm"/"cold" while asleep
@@ -202,14 +207,24 @@ class KVPool:
             raise Asleep(f"pool {self.name!r} is sleeping ({self.sleep_mode}); wake it first")
         self._release()  # the agent maps the wake grant under this lock
         try:
-            self.lease.wake()
-            if not self.awake.wait(self.lease.control.timeout_s):
-                raise Asleep(f"pool {self.name!r} did not wake in time")
+            self.wake()
         finally:
             self._acquire()
         if num_blocks > self.allocator.num_free:
             self._grow_for(num_blocks)
         return self.allocator.alloc(num_blocks)
+
+    def wake(self) -> None:
+        """Wake this pool (its own lease asks the daemon); returns once its pages are mapped.
+
+        A no-op when awake. Raises ``Asleep`` if the wake is not done within the
+        control timeout, or the daemon's error (``NoMemory``...). Call without the lock.
+        """
+        if self.awake.is_set() and self.sleep_mode is None:
+            return
+        self.lease.wake()
+        if not self.awake.wait(self.lease.control.timeout_s):
+            raise Asleep(f"pool {self.name!r} did not wake in time")
 
     def free(self, block_ids: list[int]) -> None:
         """Return blocks; spare pages past ``num_spare_pages`` go back to the daemon."""
@@ -260,7 +275,7 @@ class KVPool:
     def _grow(self, wanted: list[int]) -> dict[int, list[Any]]:
         """One grow; if its reply never came, try to give the pages back so both sides agree."""
         try:
-            return self.lease.grow(wanted)
+            return self.lease.grow(wanted, self.grow_wait_s)
         except DaemonUnreachable:
             if not self.lease.lost.is_set():
                 with contextlib.suppress(KVDaemonError):

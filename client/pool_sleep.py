@@ -1,6 +1,7 @@
 """Sleep and wake of a ``KVPool``, run by its agent thread when the daemon asks.
 
-Sleep: the engine's quiesce hook returns (its step is done), then, holding the
+Sleep: the engine's quiesce hook returns (its step is done, and it takes no
+other until the resume hook runs), then, holding the
 pool's lock, every page is unmapped from every segment while the handles are
 kept, and the daemon is told ``sleep_ready``. If the daemon refuses (the sleep
 timed out) the same pages are mapped back and nothing was lost. Otherwise the
@@ -30,9 +31,22 @@ log = logging.getLogger("kvdaemon.client.pool")
 
 
 def sleep_pool(pool: KVPool, mode: str, sleep_id: int) -> None:
-    """Quiesce, unmap and hand the pages back for sleep ``sleep_id`` (see the module docstring)."""
+    """Quiesce, unmap and hand the pages back for sleep ``sleep_id`` (see the module docstring).
+
+    ``pool.resume_hook`` runs once the pool is asleep locally, or awake again
+    after a refused sleep: the engine may take its next step (and finds out
+    which from ``pool.sleep_mode``).
+    """
     if pool.quiesce_hook is not None:
         pool.quiesce_hook()
+    try:
+        _sleep_quiesced(pool, mode, sleep_id)
+    finally:
+        if pool.resume_hook is not None:
+            pool.resume_hook()
+
+
+def _sleep_quiesced(pool: KVPool, mode: str, sleep_id: int) -> None:
     with pool.lock:
         pages = dict(pool._pages)
         allocator = pool.allocator

@@ -11,7 +11,13 @@ their ``min_bytes``, the grow is parked (its reply waits) and the daemon:
 3. after twice that, if ``sleep_victims`` is on, warm-sleeps the longest-idle
    victim that has no ``min_bytes`` guarantee;
 4. retries parked grows, oldest first, after every request and every tick; a
-   grow still short at ``wait_s`` is answered ``NO_MEMORY``.
+   grow still short at its ``wait_s`` (the client's, at most ``WAIT_S``) is
+   answered ``NO_MEMORY``.
+
+A grow with ``wait_s == 0`` is never parked: the victims are asked (step 1) so
+that pages come back for a later grow, and the grow fails at once with
+``NO_MEMORY``. Engines that would rather queue or preempt than stall a step
+ask for that.
 
 A grow that no reclaim could serve (the others hold nothing above their
 guarantees) fails at once with ``NO_MEMORY``. Nothing here takes a page from a
@@ -47,6 +53,7 @@ class ParkedGrow:
     wanted: list[int]
     waiter: tuple[bytes, int | None]
     parked_at: float
+    wait_s: float = WAIT_S
     stage: int = 0  # 0: the first victims asked; 1: all asked; 2: a victim slept
 
 
@@ -62,14 +69,21 @@ class Reclaimer:
         self.num_reclaim_requests = 0
         self.num_victims_slept = 0
 
-    def park(self, tenant: Tenant, wanted: list[int], waiter: tuple[bytes, int | None]) -> bool:
-        """Park a grow short of pages if reclaim can serve it; False when it cannot."""
+    def park(
+        self, tenant: Tenant, wanted: list[int], waiter: tuple[bytes, int | None], wait_s: float = WAIT_S
+    ) -> bool:
+        """Park a grow short of pages if reclaim can serve it within ``wait_s``; False when it cannot.
+
+        With ``wait_s == 0`` the victims are still asked, but nothing is parked.
+        """
         short = len(wanted) * tenant.spec.num_segments - self.service.pool.num_free
         victims = self._victims(tenant)
         if sum(pages for _, pages in victims) < short:
             return False
         self._ask(victims, short, stop_when_covered=True)
-        self.parked.append(ParkedGrow(tenant.tenant_id, wanted, waiter, time.monotonic()))
+        if wait_s <= 0:
+            return False
+        self.parked.append(ParkedGrow(tenant.tenant_id, wanted, waiter, time.monotonic(), wait_s))
         return True
 
     def _ask(self, victims: list[tuple[Tenant, int]], short: int, stop_when_covered: bool) -> None:
@@ -116,7 +130,7 @@ class Reclaimer:
                 raise UnknownTenant("the tenant went away while its grow waited")
             result = self.service.grants.grow(tenant, parked.wanted)
         except NoMemory as exc:
-            if now - parked.parked_at >= self.wait_s:
+            if now - parked.parked_at >= parked.wait_s:
                 self._answer(parked, reply_error(parked.waiter[1], exc))
                 return True
             self._escalate(parked, tenant, now)

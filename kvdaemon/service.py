@@ -185,10 +185,11 @@ class Service:
     def op_grow(self, args: Args, _rid: bytes) -> dict[str, Any]:
         tenant = self._tenant(args)
         wanted = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1)
+        wait_s = args.float("wait_s", 0.0, self.reclaimer.wait_s, default=self.reclaimer.wait_s)
         try:
             return self.grants.grow(tenant, wanted)
         except NoMemory:
-            if self.reclaimer.park(tenant, wanted, self.current):
+            if self.reclaimer.park(tenant, wanted, self.current, wait_s):
                 return DEFERRED  # answered by ``tick`` once pages come back, or NO_MEMORY
             raise
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from kvdaemon.client import KVClient, KVSpec, PoolExhausted
+from kvdaemon.errors import BadRequest
 
 from ..conftest import PAGE_BYTES, RunningDaemon, running_daemon
 
@@ -119,3 +121,32 @@ def test_the_lighter_tenant_gives_first(kvd: RunningDaemon) -> None:
     kvd.check_invariants()
     for pool in (light, heavy, busy):
         pool.close()
+
+
+def test_a_grow_that_may_not_wait_fails_at_once_and_still_asks_the_others(kvd: RunningDaemon) -> None:
+    kvd.daemon.service.reclaimer.sleep_after_s = 5.0
+    client = kvd.client()
+    idle = client.register("idle", SPEC, num_spare_pages=8, num_prefetch_pages=0)
+    idle.free(idle.alloc(6 * BLOCKS_PER_PAGE))  # six spare logical pages stay mapped
+    eager = client.register("eager", SPEC, num_prefetch_pages=0, grow_wait_s=0.0)
+    with pytest.raises(PoolExhausted, match="daemon refused"):
+        eager.alloc(4 * BLOCKS_PER_PAGE)  # 2 free: the rest must come back first
+    assert kvd.daemon.service.reclaimer.parked == []
+    assert client.status()["counters"]["reclaim_requests"] >= 1
+    deadline = time.monotonic() + 5
+    while rows(client)["idle"]["mapped_bytes"] > 4 * LOGICAL and time.monotonic() < deadline:
+        time.sleep(0.01)  # the idle pool's agent gives its spare pages back
+    blocks = eager.alloc(4 * BLOCKS_PER_PAGE)
+    assert len(blocks) == 4 * BLOCKS_PER_PAGE
+    kvd.check_invariants()
+    idle.close()
+    eager.close()
+
+
+def test_grow_wait_s_outside_the_daemons_bound_is_refused(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("pool", SPEC, grow_wait_s=60.0)
+    with pytest.raises(BadRequest, match="wait_s"):
+        pool.alloc(1)
+    assert rows(client)["pool"]["mapped_bytes"] == 0
+    pool.close()

@@ -105,9 +105,12 @@ def test_an_engine_that_does_not_quiesce_loses_nothing(kvd: RunningDaemon) -> No
     blocks = pool.alloc(10)
     written = fill(pool, blocks, seed=3)
     pool.quiesce_hook = lambda: time.sleep(1.0)  # a step that outlasts the timeout
+    resumed: list[str | None] = []
+    pool.resume_hook = lambda: resumed.append(pool.sleep_mode)
     with pytest.raises(Conflict, match="did not quiesce"):
         client.sleep("a")
     time.sleep(1.5)  # the late sleep_ready is refused; the pool maps its pages back
+    assert resumed == [None]  # the engine was let go, awake
     assert row(client)["state"] == "active"
     assert row(client)["mapped_bytes"] == SPEC.num_segments * PAGE_BYTES
     for before, after in zip(written, read(pool, blocks)):
@@ -160,3 +163,20 @@ def test_idle_policy_sleeps_the_idle_tenant_not_the_busy_one() -> None:
         assert states == {"idle": "sleeping-warm", "busy": "active"}
         idle.close()
         busy.close()
+
+
+def test_the_engine_is_held_from_quiesce_to_resume(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC)
+    pool.alloc(2)
+    events: list[tuple[str, str | None, int]] = []
+    pool.quiesce_hook = lambda: events.append(("quiesce", pool.sleep_mode, pool.mapped_bytes))
+    pool.resume_hook = lambda: events.append(("resume", pool.sleep_mode, pool.mapped_bytes))
+    client.sleep("a", mode="cold")
+    mapped = SPEC.num_segments * PAGE_BYTES * 2  # the page of the blocks and one prefetched
+    assert events == [("quiesce", None, mapped), ("resume", "cold", 0)]
+    pool.wake()
+    assert pool.sleep_mode is None and row(client)["state"] == "active"
+    pool.wake()  # awake already: nothing to do
+    assert len(pool.alloc(1)) == 1
+    pool.close()

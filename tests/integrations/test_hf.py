@@ -17,27 +17,13 @@ from kvdaemon.errors import BadRequest  # noqa: E402
 from kvdaemon.integrations.hf import PagedCache  # noqa: E402
 
 from ..conftest import RunningDaemon, running_daemon  # noqa: E402
+from .models import VOCAB, tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
 PAGE_BYTES = 64 * 1024
 """Small daemon pages, so that a few dozen blocks fill a page and exhaustion is cheap to reach."""
 NEW_TOKENS = 20
-VOCAB = 256
-
-
-def tiny_model(arch: str) -> Any:
-    """A 2-layer model with GQA (4 query heads, 2 KV heads, head_dim 16) and random weights."""
-    torch.manual_seed(0)
-    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    if arch == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
-    else:
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape))
-    model.generation_config.eos_token_id = None  # every run generates exactly NEW_TOKENS
-    model.generation_config.pad_token_id = 0
-    return model.eval()
 
 
 def spec_of(model: Any, block_size: int, dtype: torch.dtype = torch.float32) -> KVSpec:

@@ -1,0 +1,326 @@
+"""``Engine``: continuous batching for a transformers causal LM whose KV lives in a pool.
+
+``Engine(model, pool)`` serves greedy generation requests over a ``KVPool``
+(daemon memory) or a ``LocalPool`` (plain tensors): ``add_request`` queues,
+``step`` runs one iteration, ``generate`` runs prompts to completion.
+
+One step = the ``Scheduler``'s batch (decodes, prefill chunks, newly admitted
+prompts after their prefix-cache hit) packed into one row of tokens, one
+forward of the model with attention through ``hf_attention`` (each layer
+writes its new K/V into the pool and attends over the blocks; nothing is
+gathered), one ``argmax`` for every request whose context is now complete.
+
+Guarantees:
+
+- Greedy outputs equal the model's own ``generate`` (up to float ties), for any
+  batching, chunk size, prefix sharing or preemption: a preempted request
+  recomputes its whole context.
+- ``PoolExhausted`` never escapes ``step``: the scheduler preempts or waits.
+  ``generate`` raises ``PoolExhausted`` only after ``stall_timeout_s`` seconds
+  without a step that computed anything.
+- Sleep: the pool's ``quiesce_hook`` returns once the current step is over and
+  holds off the next one until the pool's ``resume_hook`` (the pool is asleep,
+  or the sleep was refused). A step that finds the pool asleep wakes it when
+  there is work. After a cold sleep every running request is recomputed.
+- The pool's cached-only blocks are offered to the daemon's reclaim
+  (``BlockManager.serve_reclaim_for``), and grows do not wait for other
+  tenants (``grow_wait_s``, default 0): a step never stalls on the daemon.
+
+The model runs with ``hf_attention.ATTENTION_NAME`` inside the engine's
+forwards only: between steps it is unchanged (its own ``generate`` works). The
+pool stays the caller's. One thread drives ``step``.
+
+Cost per step: one forward over ``batch.num_tokens`` tokens; O(requests +
+tokens + blocks) Python work to build the index tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from kvdaemon.client.block_manager import BlockManager
+from kvdaemon.client.spec import KVSpec
+from kvdaemon.errors import Asleep, BadRequest, DaemonUnreachable, NoMemory, OverLimit, PoolExhausted
+from kvdaemon.integrations import hf_attention
+from kvdaemon.integrations.request import Request
+from kvdaemon.integrations.scheduler import Batch, Scheduler
+
+STALL_SLEEP_S = 0.002
+"""How long ``generate`` sleeps after a step that could compute nothing."""
+
+
+def kv_spec_for(model: Any, block_size: int = 16, dtype: Any = None) -> KVSpec:
+    """The ``KVSpec`` of ``model``'s KV cache (dtype: the model's, unless given)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return KVSpec(
+        num_layers=config.num_hidden_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=dtype if dtype is not None else model.dtype,
+    )
+
+
+class Engine:
+    """A continuous-batching engine over ``pool``; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Any,
+        pool: Any,
+        *,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 256,
+        enable_prefix_cache: bool = True,
+        stop_token_ids: Iterable[int] | None = None,
+        grow_wait_s: float | None = 0.0,
+        attention_impl: hf_attention.Impl = "auto",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        hf_attention.check_model(model)
+        self._check_pool(model, pool)
+        self.model = model
+        self.pool = pool
+        self.clock = clock
+        self.attention_impl = attention_impl
+        self.stop_token_ids = frozenset(_default_stops(model) if stop_token_ids is None else stop_token_ids)
+        self.manager = BlockManager(pool, enable_prefix_cache=enable_prefix_cache)
+        self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs)
+        self.max_num_tokens = pool.num_blocks * pool.block_size
+        self.device = pool.key_cache(0).device
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self.num_computed_tokens = 0  # tokens whose K/V a forward computed (prefix-cache hits excluded)
+        self.last_num_scheduled_tokens = 0
+        self._next_request_id = 0
+        self._step_lock = threading.Lock()  # held by a step, and from quiesce to resume
+        self._caches = (
+            [pool.key_cache(i) for i in range(pool.spec.num_layers)],
+            [pool.value_cache(i) for i in range(pool.spec.num_layers)],
+        )
+        self._closed = False
+        hf_attention.register()
+        self.manager.serve_reclaim_for(pool)
+        pool.quiesce_hook, pool.resume_hook = self._quiesce, self._resume
+        pool.grow_wait_s = grow_wait_s
+
+    @staticmethod
+    def _check_pool(model: Any, pool: Any) -> None:
+        want = kv_spec_for(model, pool.spec.block_size)
+        got = pool.spec
+        if (got.num_layers, got.num_kv_heads, got.head_dim, got.dtype_name) != (
+            want.num_layers, want.num_kv_heads, want.head_dim, want.dtype_name
+        ):
+            raise BadRequest(f"the pool's layout {got} does not fit the model's KV {want}")
+        device = next(model.parameters()).device
+        if pool.key_cache(0).device != device:
+            raise BadRequest(f"the model is on {device}, the pool on {pool.key_cache(0).device}")
+
+    # -- requests ----------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 32,
+        *,
+        stop_token_ids: Iterable[int] | None = None,
+        arrival_s: float | None = None,
+    ) -> Request:
+        """Queue a request; it joins a batch at a coming step. BadRequest (nothing queued) on bad input.
+
+        ``arrival_s`` (engine clock) backdates the arrival, for replaying traces.
+        """
+        if self._closed:
+            raise BadRequest("the engine is closed")
+        prompt = _token_list(prompt_ids, self.model.config.vocab_size)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise BadRequest(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if len(prompt) + max_new_tokens > self.max_num_tokens:
+            raise BadRequest(
+                f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the pool's "
+                f"{self.max_num_tokens} tokens of virtual capacity"
+            )
+        stops = self.stop_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
+        request = Request(
+            self._next_request_id, prompt, max_new_tokens, stops,
+            self.clock() if arrival_s is None else arrival_s,
+        )
+        self._next_request_id += 1
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request: Request) -> None:
+        """Drop an unfinished request; its blocks go back (cached full blocks stay cached)."""
+        with self._step_lock:
+            if not request.finished:
+                self.scheduler.abort(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    # -- stepping ----------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one iteration; the requests that finished in it. Never raises ``PoolExhausted``."""
+        with self._step_lock:
+            self.last_num_scheduled_tokens = 0
+            if self._closed or not self.scheduler.has_work or not self._awake():
+                return []
+            batch = self.scheduler.schedule()
+            if not batch:
+                return []
+            next_ids = self._forward(batch)
+            self.num_steps += 1
+            self.num_generated_tokens += len(next_ids)
+            self.last_num_scheduled_tokens = batch.num_tokens
+            self.num_computed_tokens += batch.num_tokens
+            return self.scheduler.complete(batch, next_ids, self.clock())
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, stall_timeout_s: float = 30.0
+    ) -> list[list[int]]:
+        """Generate for every prompt (greedy); the new token ids per prompt, in order.
+
+        Raises ``PoolExhausted`` (the unfinished requests aborted) after
+        ``stall_timeout_s`` seconds in which no step could compute anything.
+        """
+        requests = [self.add_request(prompt, max_new_tokens) for prompt in prompts]
+        stalled_since: float | None = None
+        while not all(r.finished for r in requests):
+            self.step()
+            if self.last_num_scheduled_tokens:
+                stalled_since = None
+                continue
+            now = time.monotonic()
+            stalled_since = now if stalled_since is None else stalled_since
+            if now - stalled_since > stall_timeout_s:
+                for request in requests:
+                    self.abort(request)
+                raise PoolExhausted(
+                    f"no step could run for {stall_timeout_s:.0f} s: the pool cannot hold the next "
+                    f"request ({self.pool.num_blocks} blocks of virtual capacity)"
+                )
+            time.sleep(STALL_SLEEP_S)
+        return [r.output_ids for r in requests]
+
+    def _awake(self) -> bool:
+        """True when the pool is mapped; wakes a sleeping pool (False if it cannot yet)."""
+        if self.pool.sleep_mode is None:
+            return True
+        try:
+            self.pool.wake()
+        except (Asleep, NoMemory, OverLimit, DaemonUnreachable):
+            return False
+        return self.pool.sleep_mode is None
+
+    def _forward(self, batch: Batch) -> list[int]:
+        """One forward over the batch; the greedy next token of each request that completes its context."""
+        input_ids, positions, step, keep = self._inputs(batch)
+        config = self.model.config
+        previous, config._attn_implementation = config._attn_implementation, hf_attention.ATTENTION_NAME
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
+                    kvdaemon_step=step,
+                )
+        finally:
+            config._attn_implementation = previous
+        if not keep.numel():
+            return []
+        return out.logits[0].argmax(-1).tolist()
+
+    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, hf_attention.PagedStep, torch.Tensor]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        seq_lens: list[int] = []
+        starts = [0]
+        keep: list[int] = []
+        for request, num_new in batch.items:
+            start, end = request.num_computed, request.num_computed + num_new
+            ids += request.token_ids[start:end]
+            positions += range(start, end)
+            slots += self.manager.slot_mapping(request.request_id, start, end)
+            tables.append(self.manager.block_table(request.request_id))
+            seq_lens.append(end)
+            starts.append(starts[-1] + num_new)
+            if end == request.num_tokens:
+                keep.append(starts[-1] - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        device = self.device
+
+        def tensor(values: list[Any]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        step = hf_attention.PagedStep(
+            self._caches[0], self._caches[1], tensor(slots), tensor(padded), tensor(seq_lens), tensor(starts),
+            self.attention_impl,
+        )
+        return tensor(ids)[None], tensor(positions)[None], step, tensor(keep)
+
+    # -- sleep hooks ---------------------------------------------------------------
+
+    def _quiesce(self) -> None:
+        """Wait for the running step; no step starts until ``_resume``."""
+        self._step_lock.acquire()
+
+    def _resume(self) -> None:
+        """After a sleep (or a refused one): a cold pool lost its blocks; let steps run again."""
+        try:
+            if self.pool.sleep_mode == "cold":
+                self.scheduler.forget_cache()
+        finally:
+            self._step_lock.release()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Abort every request and give the pool its blocks back (cached ones too). Idempotent."""
+        with self._step_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for request in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self.scheduler.abort(request)
+            if self.pool.sleep_mode is None:
+                self.manager.evict_cached(self.manager.num_evictable_blocks)
+            self.pool.quiesce_hook = self.pool.resume_hook = self.pool.reclaim_hook = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def _default_stops(model: Any) -> list[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _token_list(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() != 1:
+            raise BadRequest(f"prompt_ids must be 1-D, got shape {list(prompt_ids.shape)}")
+        prompt_ids = prompt_ids.tolist()
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise BadRequest("prompt_ids is empty")
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise BadRequest(f"prompt token {token!r} is not an id in [0, {vocab_size})")
+    return prompt

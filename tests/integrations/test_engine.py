@@ -1,0 +1,295 @@
+"""Engine: continuous batching over daemon KV gives transformers' own greedy outputs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from kvdaemon.client import KVClient, KVPool, PoolExhausted  # noqa: E402
+from kvdaemon.client.local_pool import LocalPool  # noqa: E402
+from kvdaemon.errors import BadRequest  # noqa: E402
+from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
+
+from ..conftest import RunningDaemon, running_daemon  # noqa: E402
+from .models import VOCAB, random_prompts, reference_outputs, tiny_model  # noqa: E402
+
+PAGE_BYTES = 64 * 1024
+"""Small pages: a logical page of the tiny model (4 segments) holds 128 blocks of 4 tokens."""
+BLOCK = 4
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NEW = 12
+MIXED = [3, 9, 17, 30, 41, 6]
+
+
+@pytest.fixture(scope="module")
+def kvd() -> Iterator[RunningDaemon]:
+    with running_daemon("64MiB", page_size_bytes=PAGE_BYTES) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(kvd: RunningDaemon) -> Iterator[KVClient]:
+    client = kvd.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request: pytest.FixtureRequest) -> Any:
+    return tiny_model(request.param)
+
+
+_names = itertools.count()
+
+
+def daemon_pool(client: KVClient, model: Any, **kwargs: Any) -> KVPool:
+    return client.register(f"engine-{next(_names)}", kv_spec_for(model, BLOCK), **kwargs)
+
+
+def run(model: Any, pool: Any, prompts: list[list[int]], new: int = NEW, **engine_args: Any) -> tuple[Any, Engine]:
+    engine = Engine(model, pool, **engine_args)
+    try:
+        return engine.generate(prompts, new), engine
+    finally:
+        engine.close()
+
+
+def test_mixed_lengths_equal_generate_on_daemon_kv(client: KVClient, model: Any) -> None:
+    prompts = random_prompts(MIXED)
+    pool = daemon_pool(client, model)
+    outputs, engine = run(model, pool, prompts)
+    assert outputs == reference_outputs(model, prompts, NEW)
+    assert engine.num_preemptions == 0
+    assert pool.num_used_blocks == 0  # close gave every block back, cached ones too
+    assert model.config._attn_implementation == "sdpa"  # close restored the model
+    pool.close()
+
+
+def test_small_chunks_equal_generate(client: KVClient, model: Any) -> None:
+    prompts = random_prompts([29, 7, 40])
+    pool = daemon_pool(client, model)
+    outputs, engine = run(model, pool, prompts, max_num_batched_tokens=5)
+    assert outputs == reference_outputs(model, prompts, NEW)
+    # 76 prompt tokens in chunks of at most 5 new tokens per step, then the decodes.
+    assert engine.num_steps >= 76 // 5
+    pool.close()
+
+
+def test_shared_prefixes_are_computed_once(client: KVClient, model: Any) -> None:
+    shared = random_prompts([24], seed=7)[0]
+    prompts = random_prompts([5, 11, 2], seed=8, prefix=shared)
+    pool = daemon_pool(client, model)
+    engine = Engine(model, pool)
+    first = engine.add_request(prompts[0], NEW)
+    while not first.finished:
+        engine.step()
+    computed_before = engine.num_computed_tokens
+    outputs = engine.generate(prompts[1:], NEW)
+    # The 24 shared tokens (6 full blocks) come from the cache for the later prompts.
+    new_prompt_tokens = sum(len(p) for p in prompts[1:]) - 2 * 24
+    assert engine.num_computed_tokens - computed_before == new_prompt_tokens + 2 * (NEW - 1)
+    assert [first.output_ids, *outputs] == reference_outputs(model, prompts, NEW)
+    engine.close()
+    pool.close()
+
+
+def test_a_tiny_local_pool_preempts_and_still_matches(model: Any) -> None:
+    prompts = random_prompts([30, 25, 33, 28, 20])
+    pool = LocalPool(kv_spec_for(model, BLOCK), num_blocks=24)  # one request's worst case is 12
+    outputs, engine = run(model, pool, prompts)
+    assert engine.num_preemptions > 0
+    assert outputs == reference_outputs(model, prompts, NEW)
+    assert pool.num_used_blocks == 0
+
+
+def test_a_capped_daemon_pool_preempts_and_still_matches(client: KVClient, model: Any) -> None:
+    prompts = random_prompts([100] * 12, seed=3)
+    logical_page = kv_spec_for(model, BLOCK).num_segments * PAGE_BYTES  # 128 blocks = 512 tokens
+    pool = daemon_pool(client, model, max_bytes=logical_page, num_prefetch_pages=0)
+    outputs, engine = run(model, pool, prompts, new=20)
+    assert engine.num_preemptions > 0
+    assert outputs == reference_outputs(model, prompts, 20)
+    pool.close()
+
+
+def test_requests_join_and_leave_between_steps(model: Any) -> None:
+    prompts = random_prompts([8, 8, 8])
+    engine = Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=64))
+    short = engine.add_request(prompts[0], 2)
+    long = engine.add_request(prompts[1], 8)
+    finished: list[Any] = []
+    while not short.finished:
+        finished += engine.step()
+    late = engine.add_request(prompts[2], 3)  # joins while `long` is decoding
+    while engine.has_unfinished:
+        batch_before = len(engine.scheduler.running)
+        finished += engine.step()
+        assert batch_before <= 2
+    assert [r.request_id for r in finished] == [short.request_id, late.request_id, long.request_id]
+    assert late.first_token_s < long.finish_s  # it did not wait for the batch to drain
+    for request in finished:
+        assert request.arrival_s <= request.first_token_s <= request.finish_s
+        assert request.ttft_s is not None and request.latency_s is not None
+    assert [r.output_ids for r in (short, long, late)] == [
+        reference_outputs(model, [p], n)[0] for p, n in zip(prompts, (2, 8, 3))
+    ]
+    engine.close()
+
+
+def test_stop_tokens_finish_a_request(model: Any) -> None:
+    prompt = random_prompts([10])[0]
+    expected = reference_outputs(model, [prompt], NEW)[0]
+    engine = Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=32))
+    request = engine.add_request(prompt, NEW, stop_token_ids=[expected[3]])
+    while not request.finished:
+        engine.step()
+    cut = expected.index(expected[3]) + 1
+    assert request.output_ids == expected[:cut] and request.finish_reason == "stop"
+    engine.close()
+
+
+def test_a_request_that_can_never_fit_stalls_then_fails_cleanly(client: KVClient, model: Any) -> None:
+    logical_page = kv_spec_for(model, BLOCK).num_segments * PAGE_BYTES
+    pool = daemon_pool(client, model, max_bytes=logical_page, num_prefetch_pages=0)
+    engine = Engine(model, pool)
+    with pytest.raises(PoolExhausted, match="no step could run"):
+        engine.generate([random_prompts([600])[0]], 4, stall_timeout_s=0.3)
+    assert not engine.has_unfinished and engine.manager.num_held_blocks == 0  # cached blocks may stay
+    assert engine.generate(random_prompts([10]), 3) == reference_outputs(model, random_prompts([10]), 3)
+    engine.close()
+    pool.close()
+
+
+def test_bad_requests_are_refused_and_change_nothing(model: Any) -> None:
+    engine = Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=8))
+    for prompt, new, match in (
+        ([], 4, "empty"), ([1, VOCAB], 4, "not an id"), ([1, -1], 4, "not an id"), (["a"], 4, "not an id"),
+        ([1, 2], 0, "max_new_tokens"), ([1, 2], True, "max_new_tokens"), ([1] * 30, 4, "virtual capacity"),
+        (torch.ones(2, 2, dtype=torch.long), 4, "1-D"),
+    ):
+        with pytest.raises(BadRequest, match=match):
+            engine.add_request(prompt, new)
+    assert not engine.has_unfinished
+    engine.close()
+    with pytest.raises(BadRequest, match="closed"):
+        engine.add_request([1, 2], 2)
+
+
+def test_a_pool_that_does_not_fit_the_model_is_refused(model: Any) -> None:
+    spec = kv_spec_for(model, BLOCK)
+    for wrong in (
+        LocalPool(type(spec)(spec.num_layers + 1, spec.num_kv_heads, spec.head_dim, BLOCK, "float32"), 4),
+        LocalPool(type(spec)(spec.num_layers, spec.num_kv_heads, spec.head_dim, BLOCK, "float16"), 4),
+    ):
+        with pytest.raises(BadRequest, match="does not fit"):
+            Engine(model, wrong)
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_sleep_mid_generation_loses_nothing(client: KVClient, model: Any, mode: str) -> None:
+    prompts = random_prompts([20, 9, 31], seed=5)
+    pool = daemon_pool(client, model)
+    engine = Engine(model, pool)
+    requests = [engine.add_request(p, NEW) for p in prompts]
+    for _ in range(4):
+        engine.step()  # prefills done, a few tokens decoded
+    assert all(r.num_output_tokens > 0 for r in requests)
+    client.sleep(pool.name, mode=mode)  # quiesces between steps
+    assert pool.sleep_mode == mode and pool.mapped_bytes == 0
+    while engine.has_unfinished:
+        engine.step()  # the first step wakes the pool
+    assert [r.output_ids for r in requests] == reference_outputs(model, prompts, NEW)
+    assert (engine.num_preemptions > 0) == (mode == "cold")  # cold: recomputed from the prompts
+    engine.close()
+    pool.close()
+
+
+def test_a_sleep_waits_for_the_running_step(client: KVClient, model: Any) -> None:
+    pool = daemon_pool(client, model)
+    engine = Engine(model, pool)
+    requests = [engine.add_request(p, 40) for p in random_prompts([30, 30])]
+    asleep = threading.Event()
+
+    def sleep_soon() -> None:
+        client.sleep(pool.name)
+        asleep.set()
+
+    sleeper = threading.Thread(target=sleep_soon)
+    steps = 0
+    while not asleep.is_set() and engine.has_unfinished:
+        engine.step()
+        steps += 1
+        if steps == 2:
+            sleeper.start()
+    sleeper.join(10)
+    assert asleep.is_set()
+    while engine.has_unfinished:
+        engine.step()
+    assert [r.output_ids for r in requests] == reference_outputs(model, [r.prompt_ids for r in requests], 40)
+    engine.close()
+    pool.close()
+
+
+class EngineProcess:
+    """``tests.integrations.engine_worker`` in a subprocess, spoken to in JSON lines."""
+
+    def __init__(self, kvd: RunningDaemon, name: str, arch: str, seed: int) -> None:
+        argv = [sys.executable, "-m", "tests.integrations.engine_worker", str(kvd.dir), name,
+                "--arch", arch, "--seed", str(seed)]
+        self.name = name
+        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert self.read()["event"] == "ready"
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"engine {self.name} exited with {self.proc.wait(5)}"
+        return json.loads(line)
+
+    def send(self, **command: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.send(cmd="close")
+            assert self.read()["event"] == "closed"
+        assert self.proc.wait(10) == 0
+
+
+def test_two_engine_processes_share_a_daemon_across_sleep_and_wake(kvd: RunningDaemon, client: KVClient) -> None:
+    models = {"a": tiny_model("llama", seed=1), "b": tiny_model("qwen2", seed=2)}
+    engines = {"a": EngineProcess(kvd, "proc-a", "llama", 1), "b": EngineProcess(kvd, "proc-b", "qwen2", 2)}
+    try:
+        for round_no in range(3):
+            prompts = random_prompts([13, 27, 6], seed=10 + round_no)
+            for engine in engines.values():
+                engine.send(cmd="generate", prompts=prompts, new=NEW)
+            for key, engine in engines.items():
+                event = engine.read()
+                assert event["outputs"] == reference_outputs(models[key], prompts, NEW), (key, round_no)
+            client.sleep("proc-a", mode="warm" if round_no % 2 == 0 else "cold")
+            rows = {t["name"]: t for t in client.status()["tenants"]}
+            assert rows["proc-a"]["state"].startswith("sleeping") and rows["proc-a"]["mapped_bytes"] == 0
+            assert rows["proc-b"]["state"] == "active"
+            # the next generate wakes proc-a (its engine finds the pool asleep)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    kvd.check_invariants()
+    assert {t["name"] for t in client.status()["tenants"]}.isdisjoint({"proc-a", "proc-b"})
