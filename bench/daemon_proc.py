@@ -16,8 +16,10 @@ from kvdaemon.errors import DaemonUnreachable
 
 
 @contextmanager
-def daemon_process(capacity: str) -> Iterator[KVClient]:
+def daemon_process(capacity: str, *options: str) -> Iterator[KVClient]:
     """Run ``kvdaemon start --foreground`` (host backend) in a fresh dir; yield a client.
+
+    ``options`` are more ``kvdaemon start`` flags (``--page-size 64KiB``...).
 
     The daemon is a real separate process, so client and daemon do not share
     a GIL. On exit the daemon is shut down and its dir removed.
@@ -25,7 +27,7 @@ def daemon_process(capacity: str) -> Iterator[KVClient]:
     root = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvdaemon", "start", "--foreground", "--dir", str(root),
-         "--backend", "host", "--capacity", capacity],
+         "--backend", "host", "--capacity", capacity, *options],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     client = KVClient(root)
