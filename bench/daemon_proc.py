@@ -16,8 +16,8 @@ from kvdaemon.errors import DaemonUnreachable
 
 
 @contextmanager
-def daemon_process(capacity: str, *options: str) -> Iterator[KVClient]:
-    """Run ``kvdaemon start --foreground`` (host backend) in a fresh dir; yield a client.
+def daemon_process(capacity: str, *options: str, backend: str = "host") -> Iterator[KVClient]:
+    """Run ``kvdaemon start --foreground`` (host backend unless told) in a fresh dir; yield a client.
 
     ``options`` are more ``kvdaemon start`` flags (``--page-size 64KiB``...).
 
@@ -27,7 +27,7 @@ def daemon_process(capacity: str, *options: str) -> Iterator[KVClient]:
     root = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvdaemon", "start", "--foreground", "--dir", str(root),
-         "--backend", "host", "--capacity", capacity, *options],
+         "--backend", backend, "--capacity", capacity, *options],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     client = KVClient(root)

@@ -30,7 +30,7 @@ import transformers  # noqa: E402
 from daemon_proc import daemon_process  # noqa: E402
 from report import save, verdict  # noqa: E402
 
-from kvdaemon.client import LocalPool  # noqa: E402
+from kvdaemon.client.local_pool import LocalPool  # noqa: E402
 from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
 
 TARGET = 0.9

@@ -24,6 +24,11 @@ Checks:
   torch tensor.
 - ``view_before_map``: a view made over a reserved range before any page is
   mapped behind it (how the client's KV tensors are made) works once pages are.
+- ``attention``: the Triton kernels against the torch path, and decode bandwidth
+  (``gpu_attention.py``).
+- ``swap_copy``: page copies to and from host memory (warm sleep), bandwidth.
+- ``engine``: the transformers ``Engine`` over CUDA daemon KV equals
+  ``generate``; decode tokens/s against local KV (``gpu_engine.py``).
 
 Cost: under a minute on one GPU (the child's torch start-up dominates), and at
 most 512 MiB of device memory at a time.
@@ -45,6 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_attention import gpu_attention_check  # noqa: E402
+from gpu_engine import gpu_engine_check  # noqa: E402
 from report import median_us, percentile_us, save  # noqa: E402
 
 try:
@@ -72,7 +78,9 @@ PARENT_SEED = 5
 # What a failing check raises: the backend's typed error, a check's own
 # assertion, a socket/child failure (OSError, SubprocessError), or a CUDA error
 # surfaced by torch (RuntimeError, which torch.AcceleratorError derives from).
-CHECK_FAILURES = (BackendError, AssertionError, OSError, RuntimeError, subprocess.SubprocessError)
+CHECK_FAILURES = (
+    BackendError, AssertionError, ImportError, OSError, RuntimeError, SystemExit, subprocess.SubprocessError,
+)
 
 
 # --- helpers ---------------------------------------------------------------------
@@ -520,6 +528,7 @@ CHECKS: list[tuple[str, Callable[[], Figures]]] = [
     ("view_before_map", check_view_before_map),
     ("attention", gpu_attention_check),
     ("swap_copy", check_swap_copy),
+    ("engine", gpu_engine_check),
 ]
 
 

@@ -45,7 +45,8 @@ from plots import memory_plot, ttft_plot  # noqa: E402
 from report import RESULTS_DIR, percentile_us, save, verdict  # noqa: E402
 from traces import Arrival, TraceShape, bursty_trace  # noqa: E402
 
-from kvdaemon.client import KVClient, KVPool, LocalPool  # noqa: E402
+from kvdaemon.client import KVClient, KVPool  # noqa: E402
+from kvdaemon.client.local_pool import LocalPool  # noqa: E402
 from kvdaemon.client.spec import KVSpec  # noqa: E402
 from kvdaemon.integrations.hf import Engine, Request, kv_spec_for  # noqa: E402
 

@@ -2,9 +2,8 @@
 
 from kvdaemon.client.connection import KVClient
 from kvdaemon.client.lease import Lease
-from kvdaemon.client.local_pool import LocalPool
 from kvdaemon.client.pool import KVPool
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import PoolExhausted
 
-__all__ = ["KVClient", "KVPool", "KVSpec", "Lease", "LocalPool", "PoolExhausted"]
+__all__ = ["KVClient", "KVPool", "KVSpec", "Lease", "PoolExhausted"]
