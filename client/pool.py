@@ -222,7 +222,10 @@ class KVPool:
         """
         if self.awake.is_set() and self.sleep_mode is None:
             return
-        self.lease.wake()
+        try:
+            self.lease.wake()
+        except BadRequest:
+            pass  # the daemon has it awake already (someone else woke it): its wake notice is on the way
         if not self.awake.wait(self.lease.control.timeout_s):
             raise Asleep(f"pool {self.name!r} did not wake in time")
 

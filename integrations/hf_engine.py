@@ -191,9 +191,17 @@ class Engine:
         """Generate for every prompt (greedy); the new token ids per prompt, in order.
 
         Raises ``PoolExhausted`` (the unfinished requests aborted) after
-        ``stall_timeout_s`` seconds in which no step could compute anything.
+        ``stall_timeout_s`` seconds in which no step could compute anything, and
+        ``BadRequest`` (nothing queued) for a bad prompt.
         """
-        requests = [self.add_request(prompt, max_new_tokens) for prompt in prompts]
+        requests: list[Request] = []
+        try:
+            for prompt in prompts:
+                requests.append(self.add_request(prompt, max_new_tokens))
+        except BadRequest:
+            for request in requests:
+                self.abort(request)
+            raise
         stalled_since: float | None = None
         while not all(r.finished for r in requests):
             self.step()
@@ -294,8 +302,7 @@ class Engine:
             self._closed = True
             for request in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.abort(request)
-            if self.pool.sleep_mode is None:
-                self.manager.evict_cached(self.manager.num_evictable_blocks)
+            self.manager.evict_cached(self.manager.num_evictable_blocks)
             self.pool.quiesce_hook = self.pool.resume_hook = self.pool.reclaim_hook = None
 
     def __enter__(self) -> Engine:

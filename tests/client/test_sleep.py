@@ -180,3 +180,26 @@ def test_the_engine_is_held_from_quiesce_to_resume(kvd: RunningDaemon) -> None:
     pool.wake()  # awake already: nothing to do
     assert len(pool.alloc(1)) == 1
     pool.close()
+
+
+def test_pool_wake_while_another_wake_is_on_its_way(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC)
+    blocks = pool.alloc(3)
+    written = fill(pool, blocks, seed=4)
+    client.sleep("a")
+    deliver = pool.lease.on_notice
+
+    def late(body: dict) -> None:  # the wake notice reaches the agent 0.3 s late
+        if body.get("notice") == "wake":
+            time.sleep(0.3)
+        deliver(body)
+
+    pool.lease.on_notice = late
+    client.call("wake", {"name": "a"})  # the daemon has it awake; the pool does not know yet
+    assert pool.sleep_mode == "warm"
+    pool.wake()  # the daemon says "not sleeping": the pool waits for the notice instead
+    assert pool.sleep_mode is None
+    for before, after in zip(written, read(pool, blocks)):
+        assert torch.equal(before, after)
+    pool.close()

@@ -182,6 +182,9 @@ def test_bad_requests_are_refused_and_change_nothing(model: Any) -> None:
         with pytest.raises(BadRequest, match=match):
             engine.add_request(prompt, new)
     assert not engine.has_unfinished
+    with pytest.raises(BadRequest, match="not an id"):
+        engine.generate([[1, 2], [3, VOCAB + 5]], 2)
+    assert not engine.has_unfinished  # the good prompt before the bad one was not left queued
     engine.close()
     with pytest.raises(BadRequest, match="closed"):
         engine.add_request([1, 2], 2)
