@@ -172,7 +172,10 @@ def test_the_engine_is_held_from_quiesce_to_resume(kvd: RunningDaemon) -> None:
     events: list[tuple[str, str | None, int]] = []
     pool.quiesce_hook = lambda: events.append(("quiesce", pool.sleep_mode, pool.mapped_bytes))
     pool.resume_hook = lambda: events.append(("resume", pool.sleep_mode, pool.mapped_bytes))
-    client.sleep("a", mode="cold")
+    client.sleep("a", mode="cold")  # answered once the pool is unmapped; resume runs right after
+    deadline = time.monotonic() + 5
+    while len(events) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     mapped = SPEC.num_segments * PAGE_BYTES * 2  # the page of the blocks and one prefetched
     assert events == [("quiesce", None, mapped), ("resume", "cold", 0)]
     pool.wake()
