@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,33 +21,14 @@ from kvdaemon.client.local_pool import LocalPool  # noqa: E402
 from kvdaemon.errors import BadRequest  # noqa: E402
 from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
 
-from ..conftest import RunningDaemon, running_daemon  # noqa: E402
+from ..conftest import RunningDaemon  # noqa: E402
+from .conftest import PAGE_BYTES  # noqa: E402
 from .models import VOCAB, random_prompts, reference_outputs, tiny_model  # noqa: E402
 
-PAGE_BYTES = 64 * 1024
-"""Small pages: a logical page of the tiny model (4 segments) holds 128 blocks of 4 tokens."""
-BLOCK = 4
+BLOCK = 4  # a logical page of the tiny model (4 segments of 64 KiB) holds 128 blocks of 4 tokens
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NEW = 12
 MIXED = [3, 9, 17, 30, 41, 6]
-
-
-@pytest.fixture(scope="module")
-def kvd() -> Iterator[RunningDaemon]:
-    with running_daemon("64MiB", page_size_bytes=PAGE_BYTES) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(kvd: RunningDaemon) -> Iterator[KVClient]:
-    client = kvd.client()
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def model(request: pytest.FixtureRequest) -> Any:
-    return tiny_model(request.param)
 
 
 _names = itertools.count()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,13 +15,11 @@ from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted  # noqa: E40
 from kvdaemon.errors import BadRequest  # noqa: E402
 from kvdaemon.integrations.hf import PagedCache  # noqa: E402
 
-from ..conftest import RunningDaemon, running_daemon  # noqa: E402
-from .models import VOCAB, tiny_model  # noqa: E402
+from .conftest import PAGE_BYTES  # noqa: E402
+from .models import VOCAB  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
-PAGE_BYTES = 64 * 1024
-"""Small daemon pages, so that a few dozen blocks fill a page and exhaustion is cheap to reach."""
 NEW_TOKENS = 20
 
 
@@ -54,24 +51,6 @@ def greedy(model: Any, ids: torch.Tensor, mask: torch.Tensor, cache: PagedCache 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-@pytest.fixture(scope="module")
-def kvd() -> Iterator[RunningDaemon]:
-    with running_daemon("64MiB", page_size_bytes=PAGE_BYTES) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(kvd: RunningDaemon) -> Iterator[KVClient]:
-    client = kvd.client()
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def model(request: pytest.FixtureRequest) -> Any:
-    return tiny_model(request.param)
 
 
 _names = itertools.count()
