@@ -45,7 +45,7 @@ regions) slowed down most when other processes took a core."""
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Drop negative slots, check the rest against the cache, ``index_put_`` K and V (cast to the cache dtype)."""
+    """Drop negative slots, check the rest against the cache, write K and V (cast to the cache dtype)."""
     num_blocks, block_size = k_cache.shape[:2]
     keep = slots >= 0
     if not bool(keep.all()):
@@ -55,9 +55,11 @@ def store_kv(
     if int(slots.max()) >= num_blocks * block_size:
         raise BadRequest(f"slot {int(slots.max())} is past the cache's {num_blocks * block_size} slots")
     slots = slots.long()
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache.index_put_((blocks, offsets), key.to(k_cache.dtype))
-    v_cache.index_put_((blocks, offsets), value.to(v_cache.dtype))
+    for cache, states in ((k_cache, key), (v_cache, value)):
+        if cache.is_contiguous():  # slot-major rows: one index_copy_ (4-6x an index_put_ on CPU)
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, states.to(cache.dtype))
+        else:
+            cache.index_put_((slots // block_size, slots % block_size), states.to(cache.dtype))
 
 
 def paged_attention(

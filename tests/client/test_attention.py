@@ -169,20 +169,26 @@ def test_non_contiguous_query() -> None:
 # --- store_kv --------------------------------------------------------------------------------
 
 
-def test_store_kv_writes_exactly_the_named_slots() -> None:
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_store_kv_writes_exactly_the_named_slots(contiguous: bool) -> None:
     num_blocks, block_size, heads, dim = 6, 4, 2, 8
-    k_cache = torch.full((num_blocks, block_size, heads, dim), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
+    if contiguous:
+        k_cache = torch.full((num_blocks, block_size, heads, dim), float("nan"))
+        v_cache = torch.full_like(k_cache, float("nan"))
+    else:  # every other block of larger tensors: strided views
+        k_cache = torch.full((2 * num_blocks, block_size, heads, dim), float("nan"))[::2]
+        v_cache = torch.full((2 * num_blocks, block_size, heads, dim), float("nan"))[::2]
+        assert not k_cache.is_contiguous()
     key, value = torch.randn(5, heads, dim), torch.randn(5, heads, dim)
     slots = torch.tensor([13, -1, 0, 23, -7])
     store_kv(key, value, k_cache, v_cache, slots)
-    expect_k = torch.full_like(k_cache, float("nan")).view(-1, heads, dim)
+    expect_k = torch.full((num_blocks * block_size, heads, dim), float("nan"))
     expect_v = expect_k.clone()
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
             expect_k[slot], expect_v[slot] = key[t], value[t]
-    torch.testing.assert_close(k_cache.view(-1, heads, dim), expect_k, equal_nan=True, atol=0, rtol=0)
-    torch.testing.assert_close(v_cache.view(-1, heads, dim), expect_v, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(k_cache.reshape(-1, heads, dim), expect_k, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.reshape(-1, heads, dim), expect_v, equal_nan=True, atol=0, rtol=0)
 
 
 def test_store_kv_then_attention_round_trip() -> None:
