@@ -39,6 +39,7 @@ class LocalPool:
         self.reclaim_hook: Callable[[int], int] | None = None
         self.grow_wait_s: float | None = None
         self.sleep_mode: str | None = None  # never asleep
+        self.num_block_losses = 0  # never loses its blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         dtype = getattr(torch, spec.dtype_name)
         self._caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_segments)]

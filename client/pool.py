@@ -62,6 +62,7 @@ class KVPool:
         self.grow_wait_s: float | None = None
         self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
         self.resume_hook: Callable[[], None] | None = None  # after a sleep: the engine may step again
+        self.num_block_losses = 0  # times every block was dropped (cold sleep, waking empty after a restart)
         self.reclaim_hook: Callable[[int], int] | None = None  # evicts up to N cache-only blocks
         self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed
         self.sleep_mode: str | None = None  # "warm"/"cold" while asleep
@@ -251,7 +252,12 @@ class KVPool:
     # -- pages -----------------------------------------------------------------
 
     def _grow_for(self, num_blocks: int) -> None:
-        """Map pages until ``num_blocks`` are free, in as few grows as the geometry allows."""
+        """Map pages until ``num_blocks`` are free, in as few grows as the geometry allows.
+
+        Raises ``DaemonUnreachable`` at once while the daemon is known to be gone.
+        """
+        if self.lease.lost.is_set():
+            raise DaemonUnreachable(f"pool {self.name!r}: the daemon is gone; no new pages until one runs again")
         while num_blocks > self.allocator.num_free:
             missing = num_blocks - self.allocator.num_free
             needed = -(-missing // self.blocks_per_page)

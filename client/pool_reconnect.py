@@ -9,7 +9,9 @@ When a daemon answers on the same directory again, the agent:
 2. grows the same logical pages from the new daemon;
 3. for each page and segment: maps the new page at a staging slot, copies the
    bytes, and swaps it in at the segment's address (unmap old, map new), all
-   under the pool's lock, so block ids, addresses and bytes are unchanged;
+   under the pool's lock and with the engine held between steps (the pool's
+   quiesce and resume hooks, as for a sleep: a page is briefly unmapped), so
+   block ids, addresses and bytes are unchanged;
 4. releases the old pages (the dead daemon's memory goes back to the OS).
 
 If the new daemon has too little room, the pool keeps its old pages and tries
@@ -48,6 +50,8 @@ def try_reconnect(pool: KVPool) -> bool:
     except KVDaemonError as exc:
         log.warning("pool %s: re-registering failed: %s", pool.name, exc)
         return False
+    if pool.quiesce_hook is not None:
+        pool.quiesce_hook()
     try:
         with pool.lock:
             _move_pages(pool, lease)
@@ -55,6 +59,9 @@ def try_reconnect(pool: KVPool) -> bool:
         log.warning("pool %s: moving pages to the new daemon failed: %s", pool.name, exc)
         lease.close()
         return False
+    finally:
+        if pool.resume_hook is not None:
+            pool.resume_hook()
     old, pool.lease = pool.lease, lease
     lease.on_notice = pool.agent.on_notice
     old.abandon()
@@ -69,6 +76,7 @@ def _move_pages(pool: KVPool, lease: Lease) -> None:
                                               pool.spec.block_bytes)  # fmt: skip
         pool.sleeping_allocator = None
         pool.sleep_mode = None
+        pool.num_block_losses += 1
         pool.awake.set()
     lps = sorted(pool._pages)
     granted = lease.grow(lps) if lps else {}

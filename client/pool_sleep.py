@@ -56,11 +56,14 @@ def _sleep_quiesced(pool: KVPool, mode: str, sleep_id: int) -> None:
         pool.sleeping_allocator = allocator if mode == "warm" else None
         pool.allocator = _empty_allocator(pool)
         pool.sleep_mode = mode
+        if mode == "cold":
+            pool.num_block_losses += 1
         pool.awake.clear()
         try:
             pool.lease.sleep_ready(sleep_id)
         except KVDaemonError:
             pool.allocator, pool.sleeping_allocator, pool.sleep_mode = allocator, None, None
+            pool.num_block_losses -= mode == "cold"
             _remap(pool, pages)
             pool.awake.set()
             log.warning("pool %s: sleep %d refused; pages mapped back", pool.name, sleep_id)

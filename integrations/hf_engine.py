@@ -20,8 +20,9 @@ Guarantees:
   without a step that computed anything.
 - Sleep: the pool's ``quiesce_hook`` returns once the current step is over and
   holds off the next one until the pool's ``resume_hook`` (the pool is asleep,
-  or the sleep was refused). A step that finds the pool asleep wakes it when
-  there is work. After a cold sleep every running request is recomputed.
+  or the sleep was refused); a pool moving its pages to a restarted daemon
+  does the same. A step that finds the pool asleep wakes it when there is
+  work. After a cold sleep every running request is recomputed.
 - The pool's cached-only blocks are offered to the daemon's reclaim
   (``BlockManager.serve_reclaim_for``), and grows do not wait for other
   tenants (``grow_wait_s``, default 0): a step never stalls on the daemon.
@@ -98,6 +99,7 @@ class Engine:
         self.last_num_scheduled_tokens = 0
         self._next_request_id = 0
         self._step_lock = threading.Lock()  # held by a step, and from quiesce to resume
+        self._num_block_losses = pool.num_block_losses
         self._caches = (
             [pool.key_cache(i) for i in range(pool.spec.num_layers)],
             [pool.value_cache(i) for i in range(pool.spec.num_layers)],
@@ -285,9 +287,11 @@ class Engine:
         self._step_lock.acquire()
 
     def _resume(self) -> None:
-        """After a sleep (or a refused one): a cold pool lost its blocks; let steps run again."""
+        """After a sleep (or a refused one) or a move to a restarted daemon: if the pool lost its
+        blocks (cold sleep, woken empty), requeue everything; let steps run again."""
         try:
-            if self.pool.sleep_mode == "cold":
+            if self.pool.num_block_losses != self._num_block_losses:
+                self._num_block_losses = self.pool.num_block_losses
                 self.scheduler.forget_cache()
         finally:
             self._step_lock.release()

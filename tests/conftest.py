@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import shutil
+import time
+import sys
+import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -14,6 +17,7 @@ import pytest
 
 from kvdaemon.client import KVClient, KVSpec
 from kvdaemon.config import DaemonConfig
+from kvdaemon.errors import DaemonUnreachable
 from kvdaemon.server import Daemon
 from kvdaemon.sizes import parse_size
 
@@ -71,3 +75,32 @@ def running_daemon(capacity: str = "64MiB", **config: object) -> Iterator[Runnin
 def kvd() -> Iterator[RunningDaemon]:
     with running_daemon() as running:
         yield running
+
+
+def start_daemon(root: Path) -> subprocess.Popen[bytes]:
+    """A foreground daemon in a child process; returns once it answers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvdaemon", "start", "--foreground", "--dir", str(root),
+         "--backend", "host", "--capacity", "64MiB"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    wait_for(lambda: answers(root), 30, "the daemon did not start")
+    return proc
+
+
+def answers(root: Path) -> bool:
+    """True when a daemon answers ``hello`` at ``root`` within 0.5 s."""
+    with KVClient(root, timeout_s=0.5) as client:
+        try:
+            client.hello()
+        except DaemonUnreachable:
+            return False
+    return True
+
+
+def wait_for(predicate: object, timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` every 50 ms; AssertionError(``what``) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)

@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,36 +14,10 @@ import torch
 from kvdaemon.client import KVClient, KVPool, KVSpec
 from kvdaemon.errors import DaemonUnreachable
 
-from ..conftest import PAGE_BYTES, short_dir
+from ..conftest import PAGE_BYTES, short_dir, start_daemon, wait_for
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes
-
-
-def start_daemon(root: Path) -> subprocess.Popen[bytes]:
-    """A foreground daemon in a child process; returns once it answers."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvdaemon", "start", "--foreground", "--dir", str(root),
-         "--backend", "host", "--capacity", "64MiB"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    wait_for(lambda: answers(root), 30, "the daemon did not start")
-    return proc
-
-
-def answers(root: Path) -> bool:
-    try:
-        KVClient(root, timeout_s=0.5).hello()
-    except DaemonUnreachable:
-        return False
-    return True
-
-
-def wait_for(predicate: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -75,6 +46,9 @@ def test_engines_keep_their_kv_across_a_daemon_restart(root: Path) -> None:
     for i, (name, pool) in enumerate(pools.items()):
         written(pool, blocks[name], float(i + 1))
     before = {t["name"]: t["mapped_bytes"] for t in client.status()["tenants"]}
+    moves: list[str] = []  # an engine is held between steps while its pages move
+    pools["a"].quiesce_hook = lambda: moves.append("quiesce")
+    pools["a"].resume_hook = lambda: moves.append("resume")
 
     os.kill(first.pid, signal.SIGKILL)
     first.wait(10)
@@ -83,14 +57,17 @@ def test_engines_keep_their_kv_across_a_daemon_restart(root: Path) -> None:
         assert holds(pool, blocks[name], float(i + 1))
         pool.key_cache(0)[blocks[name][0]] = 7.0  # and writing it
         pool.key_cache(0)[blocks[name][0]] = float(i + 1)
+    with pytest.raises(DaemonUnreachable, match="the daemon is gone"):
+        pools["a"].alloc(2 * BLOCKS_PER_PAGE)  # refused at once, nothing allocated
 
     second = start_daemon(root)
     try:
-        def back() -> bool:
+        def back() -> bool:  # the daemon granted the pages, and each pool swapped them in
             rows = {t["name"]: t["mapped_bytes"] for t in client.status()["tenants"]}
-            return rows == before
+            return rows == before and not any(p.lease.lost.is_set() for p in pools.values())
 
         wait_for(back, 15, "the tenants did not re-register with the same bytes")
+        assert moves == ["quiesce", "resume"]
         for i, (name, pool) in enumerate(pools.items()):
             assert holds(pool, blocks[name], float(i + 1))
         more = pools["a"].alloc(2 * BLOCKS_PER_PAGE)  # a later grow works

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -21,7 +23,7 @@ from kvdaemon.client.local_pool import LocalPool  # noqa: E402
 from kvdaemon.errors import BadRequest  # noqa: E402
 from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
 
-from ..conftest import RunningDaemon  # noqa: E402
+from ..conftest import RunningDaemon, short_dir, start_daemon, wait_for  # noqa: E402
 from .conftest import PAGE_BYTES  # noqa: E402
 from .models import VOCAB, random_prompts, reference_outputs, tiny_model  # noqa: E402
 
@@ -276,3 +278,37 @@ def test_two_engine_processes_share_a_daemon_across_sleep_and_wake(kvd: RunningD
             engine.close()
     kvd.check_invariants()
     assert {t["name"] for t in client.status()["tenants"]}.isdisjoint({"proc-a", "proc-b"})
+
+
+def test_an_engine_serves_through_a_daemon_restart(model: Any) -> None:
+    root = short_dir()
+    first = start_daemon(root)
+    client = KVClient(root)
+    second = None
+    try:
+        pool = client.register("restart", kv_spec_for(model, BLOCK), num_prefetch_pages=0)
+        engine = Engine(model, pool)
+        prompts = random_prompts([40, 70, 15], seed=9)
+        requests = [engine.add_request(p, 300) for p in prompts]  # they will need more pages
+        for _ in range(3):
+            engine.step()
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        wait_for(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
+        outputs_before = sum(r.num_output_tokens for r in requests)
+        for _ in range(5):
+            engine.step()  # what is mapped still serves; no new page can come
+        assert sum(r.num_output_tokens for r in requests) > outputs_before
+        second = start_daemon(root)
+        while engine.has_unfinished:
+            engine.step()
+        assert [r.output_ids for r in requests] == reference_outputs(model, prompts, 300)
+        assert not pool.lease.lost.is_set()  # it moved to the new daemon
+        engine.close()
+        pool.close()
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        client.close()
+        shutil.rmtree(root, ignore_errors=True)
