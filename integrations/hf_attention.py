@@ -2,10 +2,11 @@
 
 ``register()`` adds ``ATTENTION_NAME`` to transformers' ``AttentionInterface``;
 a model switched to it (``model.set_attn_implementation(ATTENTION_NAME)``) calls
-``paged_attention_forward`` in every attention layer. The engine packs a step's
-tokens into one row (``input_ids [1, total_tokens]``, per-token positions) and
-passes a ``PagedStep`` as the ``kvdaemon_step`` keyword, which transformers
-forwards to the attention function. Each layer then:
+``paged_attention_forward`` in every attention layer. ``build_step`` packs a
+step's tokens into one row (``input_ids [1, total_tokens]``, per-token
+positions) and makes the ``PagedStep`` the engine passes as the
+``kvdaemon_step`` keyword, which transformers forwards to the attention
+function. Each layer then:
 
 1. writes the new tokens' K/V into their slots of the layer's pool tensors
    (``store_kv``), and
@@ -23,12 +24,16 @@ families of transformers 5), no sliding window, no logit soft-capping.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvdaemon.client.attention import Impl, paged_attention, store_kv
 from kvdaemon.errors import BadRequest
+
+if TYPE_CHECKING:
+    from kvdaemon.client.block_manager import BlockManager
+    from kvdaemon.integrations.scheduler import Batch
 
 ATTENTION_NAME = "kvdaemon_paged"
 
@@ -44,6 +49,46 @@ class PagedStep:
     seq_lens: torch.Tensor  # [batch]
     query_start_loc: torch.Tensor  # [batch + 1]
     impl: Impl = "auto"
+
+
+def build_step(
+    batch: Batch,
+    manager: BlockManager,
+    caches: tuple[list[torch.Tensor], list[torch.Tensor]],
+    device: torch.device,
+    impl: Impl = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, PagedStep, torch.Tensor]:
+    """The model inputs of ``batch``: ``input_ids [1, T]``, ``position_ids [1, T]``, the
+    ``PagedStep``, and ``logits_to_keep`` (the row of each request that completes its context).
+
+    Every batch request is a sequence of ``manager`` holding its computed tokens
+    plus this step's. Cost: O(tokens + blocks) Python work, five host-to-device copies.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    seq_lens: list[int] = []
+    starts = [0]
+    keep: list[int] = []
+    for request, num_new in batch.items:
+        start, end = request.num_computed, request.num_computed + num_new
+        ids += request.token_ids[start:end]
+        positions += range(start, end)
+        slots += manager.slot_mapping(request.request_id, start, end)
+        tables.append(manager.block_table(request.request_id))
+        seq_lens.append(end)
+        starts.append(starts[-1] + num_new)
+        if end == request.num_tokens:
+            keep.append(starts[-1] - 1)
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+
+    def tensor(values: list[Any]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    step = PagedStep(caches[0], caches[1], tensor(slots), tensor(padded), tensor(seq_lens), tensor(starts), impl)
+    return tensor(ids)[None], tensor(positions)[None], step, tensor(keep)
 
 
 def paged_attention_forward(

@@ -234,7 +234,8 @@ class Engine:
 
     def _forward(self, batch: Batch) -> list[int]:
         """One forward over the batch; the greedy next token of each request that completes its context."""
-        input_ids, positions, step, keep = self._inputs(batch)
+        input_ids, positions, step, keep = hf_attention.build_step(
+            batch, self.manager, self._caches, self.device, self.attention_impl)
         config = self.model.config
         previous, config._attn_implementation = config._attn_implementation, hf_attention.ATTENTION_NAME
         try:
@@ -248,37 +249,6 @@ class Engine:
         if not keep.numel():
             return []
         return out.logits[0].argmax(-1).tolist()
-
-    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, hf_attention.PagedStep, torch.Tensor]:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        seq_lens: list[int] = []
-        starts = [0]
-        keep: list[int] = []
-        for request, num_new in batch.items:
-            start, end = request.num_computed, request.num_computed + num_new
-            ids += request.token_ids[start:end]
-            positions += range(start, end)
-            slots += self.manager.slot_mapping(request.request_id, start, end)
-            tables.append(self.manager.block_table(request.request_id))
-            seq_lens.append(end)
-            starts.append(starts[-1] + num_new)
-            if end == request.num_tokens:
-                keep.append(starts[-1] - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        device = self.device
-
-        def tensor(values: list[Any]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        step = hf_attention.PagedStep(
-            self._caches[0], self._caches[1], tensor(slots), tensor(padded), tensor(seq_lens), tensor(starts),
-            self.attention_impl,
-        )
-        return tensor(ids)[None], tensor(positions)[None], step, tensor(keep)
 
     # -- sleep hooks ---------------------------------------------------------------
 
