@@ -1,6 +1,6 @@
 """``KVClient``: the engine's control connection to a kvdaemon.
 
-A DEALER socket speaks the msgpack protocol of ``kvdaemon.protocol``; each call
+A DEALER socket speaks the msgpack protocol of ``kvdaemon.wire.protocol``; each call
 sends one request and waits at most ``timeout_s`` for its reply, raising
 ``DaemonUnreachable`` when nothing answers (and then starting a fresh socket,
 so a late reply can never be taken for the next one). Notices the daemon sends
@@ -25,8 +25,8 @@ from kvdaemon.client.lease import Lease
 from kvdaemon.client.pool import KVPool
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError
-from kvdaemon.paths import DaemonPaths, default_dir
-from kvdaemon.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, decode, request, result_of
+from kvdaemon.wire.paths import DaemonPaths, default_dir
+from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, decode, request, result_of
 
 
 class KVClient:

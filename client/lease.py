@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdaemon.cuda_vmm.backend import PhysicalPage
 from kvdaemon.errors import BadRequest, KVDaemonError, from_code
-from kvdaemon.handles import close_fds, recv_frame, send_frame
+from kvdaemon.wire.handles import close_fds, recv_frame, send_frame
 
 if TYPE_CHECKING:
     from kvdaemon.client.connection import KVClient

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvdaemon.errors import BadRequest
-from kvdaemon.tenant import DTYPE_BYTES as _DTYPE_BYTES
+from kvdaemon.wire.dtypes import DTYPE_BYTES as _DTYPE_BYTES
 
 if TYPE_CHECKING:
     import torch

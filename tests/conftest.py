@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from kvdaemon.client import KVClient, KVSpec
-from kvdaemon.config import DaemonConfig
+from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.errors import DaemonUnreachable
-from kvdaemon.server import Daemon
-from kvdaemon.sizes import parse_size
+from kvdaemon.daemon.server import Daemon
+from kvdaemon.wire.sizes import parse_size
 
 MiB = 1024 * 1024
 PAGE_BYTES = 2 * MiB

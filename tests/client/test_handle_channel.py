@@ -21,10 +21,10 @@ import pytest
 import zmq
 
 from kvdaemon.client import KVClient
-from kvdaemon.handles import recv_frame
-from kvdaemon.protocol import MAX_MESSAGE_BYTES, decode, encode, request
+from kvdaemon.wire.handles import recv_frame
+from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, decode, encode, request
 
-from ..conftest import PAGE_BYTES, RunningDaemon, running_daemon, small_spec
+from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, small_spec
 
 IO_TIMEOUT_S = 2.0
 SEGMENTS = small_spec().num_segments

@@ -12,7 +12,7 @@ import torch
 from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted
 from kvdaemon.errors import BadRequest
 
-from ..conftest import PAGE_BYTES, RunningDaemon, running_daemon
+from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes  # 512

@@ -14,7 +14,7 @@ import torch
 from kvdaemon.client import KVClient, KVPool, KVSpec
 from kvdaemon.errors import DaemonUnreachable
 
-from ..conftest import PAGE_BYTES, short_dir, start_daemon, wait_for
+from tests.conftest import PAGE_BYTES, short_dir, start_daemon, wait_for
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes

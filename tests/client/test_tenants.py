@@ -25,7 +25,7 @@ import pytest
 
 from kvdaemon.client import KVClient
 
-from ..conftest import RunningDaemon, running_daemon
+from tests.conftest import RunningDaemon, running_daemon
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PAGE = 64 * 1024  # small pages keep pattern writes and checks cheap

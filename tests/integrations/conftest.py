@@ -9,7 +9,7 @@ import pytest
 
 from kvdaemon.client import KVClient
 
-from ..conftest import RunningDaemon, running_daemon
+from tests.conftest import RunningDaemon, running_daemon
 
 PAGE_BYTES = 64 * 1024
 """Small daemon pages, so that a few dozen blocks fill a page and exhaustion is cheap to reach."""

@@ -23,7 +23,7 @@ from kvdaemon.client.local_pool import LocalPool  # noqa: E402
 from kvdaemon.errors import BadRequest  # noqa: E402
 from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
 
-from ..conftest import RunningDaemon, short_dir, start_daemon, wait_for  # noqa: E402
+from tests.conftest import RunningDaemon, short_dir, start_daemon, wait_for  # noqa: E402
 from .conftest import PAGE_BYTES  # noqa: E402
 from .models import VOCAB, random_prompts, reference_outputs, tiny_model  # noqa: E402
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvdaemon.cuda_vmm.backend import PhysicalPage
 from kvdaemon.errors import Asleep, BackendError, BadRequest, Conflict, NoMemory, OverLimit
-from kvdaemon.handles import MAX_FDS_PER_FRAME
-from kvdaemon.pool import Owner, PagePool
-from kvdaemon.tenant import Tenant
+from kvdaemon.wire.handles import MAX_FDS_PER_FRAME
+from kvdaemon.daemon.page_pool import Owner, PagePool
+from kvdaemon.daemon.tenant import Tenant
 
 if TYPE_CHECKING:
-    from kvdaemon.service import LeasePort
+    from kvdaemon.daemon.service import LeasePort
 
 
 class Grants:

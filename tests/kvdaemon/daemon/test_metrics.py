@@ -1,4 +1,4 @@
-"""kvdaemon.metrics: a Prometheus endpoint over a status snapshot and event counters."""
+"""kvdaemon.daemon.metrics: a Prometheus endpoint over a status snapshot and event counters."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvdaemon.errors import ConfigError
-from kvdaemon.metrics import Metrics
+from kvdaemon.daemon.metrics import Metrics
 
 MiB = 1024 * 1024
 

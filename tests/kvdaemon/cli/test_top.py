@@ -21,12 +21,12 @@ from typing import Any
 
 from rich.console import Console
 
-from kvdaemon import top_view
-from kvdaemon.top_view import EMPTY, FILLED
+from kvdaemon.cli import top_view
+from kvdaemon.cli.top_view import EMPTY, FILLED
 from tests.conftest import small_spec
-from tests.kvdaemon import test_cli_lifecycle as lifecycle_tests
-from tests.kvdaemon.test_cli_lifecycle import Cli
-from tests.kvdaemon.test_status_view import make_status, make_tenant
+from tests.kvdaemon.cli import test_cli_lifecycle as lifecycle_tests
+from tests.kvdaemon.cli.test_cli_lifecycle import Cli
+from tests.kvdaemon.cli.test_status_view import make_status, make_tenant
 
 MiB = 1024 * 1024
 cli = lifecycle_tests.cli  # the fixture: a detached daemon's directory, cleaned up after

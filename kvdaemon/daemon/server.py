@@ -21,16 +21,16 @@ import time
 
 import zmq
 
-from kvdaemon.config import DaemonConfig
+from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.cuda_vmm import open_backend
 from kvdaemon.errors import BadRequest
-from kvdaemon.lease_table import LeaseTable
-from kvdaemon.metrics import Metrics
-from kvdaemon.paths import DaemonPaths
-from kvdaemon.protocol import MAX_MESSAGE_BYTES, notice, reply_error
-from kvdaemon.service import Service
+from kvdaemon.daemon.lease_table import LeaseTable
+from kvdaemon.daemon.metrics import Metrics
+from kvdaemon.wire.paths import DaemonPaths
+from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, notice, reply_error
+from kvdaemon.daemon.service import Service
 
-log = logging.getLogger("kvdaemon.server")
+log = logging.getLogger("kvdaemon.daemon.server")
 ATTACH_TIMEOUT_S = 10.0
 POLL_MS = 100
 

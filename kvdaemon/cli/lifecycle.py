@@ -34,9 +34,9 @@ from typing import IO
 import psutil
 
 from kvdaemon.client import KVClient
-from kvdaemon.config import DaemonConfig
+from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.errors import Conflict, DaemonUnreachable, Forbidden, LifecycleError
-from kvdaemon.paths import DaemonPaths
+from kvdaemon.wire.paths import DaemonPaths
 
 log = logging.getLogger("kvdaemon")
 
@@ -55,7 +55,7 @@ def run_foreground(config: DaemonConfig) -> int:
     ``Forbidden`` when the directory belongs to another user. On return the
     pid file and sockets are gone and the lock is released. Returns 0.
     """
-    from kvdaemon.server import Daemon  # imported here: `kvdaemon status` never needs it
+    from kvdaemon.daemon.server import Daemon  # imported here: `kvdaemon status` never needs it
 
     paths = config.paths
     prepare_dir(paths.root)

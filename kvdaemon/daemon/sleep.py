@@ -27,15 +27,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvdaemon import swap
+from kvdaemon.daemon import swap
 from kvdaemon.errors import Asleep, BadRequest, Conflict, KVDaemonError
-from kvdaemon.protocol import reply_error, reply_ok
+from kvdaemon.wire.protocol import reply_error, reply_ok
 
 if TYPE_CHECKING:
-    from kvdaemon.service import Service
-    from kvdaemon.tenant import Tenant
+    from kvdaemon.daemon.service import Service
+    from kvdaemon.daemon.tenant import Tenant
 
-log = logging.getLogger("kvdaemon.sleep")
+log = logging.getLogger("kvdaemon.daemon.sleep")
 SLEEP_TIMEOUT_S = 10.0
 MAX_CACHED_BUFFER_BYTES = 2 << 30  # host memory kept for the next warm sleep, at most
 DEFERRED = object()  # an op's result meaning "the reply comes later"

@@ -1,4 +1,4 @@
-"""kvdaemon.config: layering flags > env > TOML file > defaults, and validation."""
+"""kvdaemon.daemon.config: layering flags > env > TOML file > defaults, and validation."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kvdaemon.config import KEYS, DaemonConfig, dir_from, load_config
+from kvdaemon.daemon.config import KEYS, DaemonConfig, dir_from, load_config
 from kvdaemon.errors import ConfigError
-from kvdaemon.sizes import bytes_of, percent_of
+from kvdaemon.wire.sizes import bytes_of, percent_of
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

@@ -26,15 +26,15 @@ from kvdaemon.errors import (
     BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, UnknownOp, UnknownTenant,
     VersionMismatch,
 )
-from kvdaemon.grants import Grants
-from kvdaemon.limits import MAX_WEIGHT, apply_limit
-from kvdaemon.pool import Owner, PagePool
-from kvdaemon.reclaim import Reclaimer
-from kvdaemon.sleep import DEFERRED, Sleeper
-from kvdaemon.protocol import MAX_INT, PROTOCOL_VERSION, Args, decode, reply_error, reply_ok
-from kvdaemon.tenant import Tenant, WireSpec, check_name
+from kvdaemon.daemon.grants import Grants
+from kvdaemon.daemon.limits import MAX_WEIGHT, apply_limit
+from kvdaemon.daemon.page_pool import Owner, PagePool
+from kvdaemon.daemon.reclaim import Reclaimer
+from kvdaemon.daemon.sleep import DEFERRED, Sleeper
+from kvdaemon.wire.protocol import MAX_INT, PROTOCOL_VERSION, Args, decode, reply_error, reply_ok
+from kvdaemon.daemon.tenant import Tenant, WireSpec, check_name
 
-log = logging.getLogger("kvdaemon.service")
+log = logging.getLogger("kvdaemon.daemon.service")
 
 
 class LeasePort(Protocol):

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvdaemon.sizes import format_bytes
+from kvdaemon.wire.sizes import format_bytes
 
 COLUMNS = ("name", "pid", "state", "mapped", "in use", "limit", "min", "weight", "idle")
 NUMERIC = {"pid", "mapped", "in use", "limit", "min", "weight", "idle"}

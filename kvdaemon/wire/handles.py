@@ -19,7 +19,7 @@ from collections import deque
 from typing import Any
 
 from kvdaemon.errors import BadRequest, Forbidden
-from kvdaemon.protocol import decode, encode
+from kvdaemon.wire.protocol import decode, encode
 
 MAX_FDS_PER_FRAME = 200
 MAX_FRAME_BYTES = 64 * 1024

@@ -1,4 +1,4 @@
-"""kvdaemon.sizes: parsing, resolving and formatting sizes."""
+"""kvdaemon.wire.sizes: parsing, resolving and formatting sizes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from decimal import Decimal
 import pytest
 
 from kvdaemon.errors import ConfigError
-from kvdaemon.sizes import SizeSpec, bytes_of, format_bytes, parse_size, percent_of
+from kvdaemon.wire.sizes import SizeSpec, bytes_of, format_bytes, parse_size, percent_of
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 

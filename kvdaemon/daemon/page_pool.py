@@ -21,7 +21,7 @@ from typing import NamedTuple
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.errors import BackendError, NoMemory
 
-log = logging.getLogger("kvdaemon.pool")
+log = logging.getLogger("kvdaemon.daemon.page_pool")
 
 
 class Owner(NamedTuple):

@@ -1,4 +1,4 @@
-"""kvdaemon.status_view: the table of ``kvdaemon status``."""
+"""kvdaemon.cli.status_view: the table of ``kvdaemon status``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from kvdaemon import status_view
+from kvdaemon.cli import status_view
 
 MiB = 1024 * 1024
 

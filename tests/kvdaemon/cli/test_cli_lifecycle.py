@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvdaemon.client import KVClient, KVSpec
-from kvdaemon.paths import DaemonPaths
+from kvdaemon.wire.paths import DaemonPaths
 from tests.conftest import short_dir, small_spec
 
 MiB = 1024 * 1024

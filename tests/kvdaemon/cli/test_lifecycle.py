@@ -1,4 +1,4 @@
-"""kvdaemon.lifecycle in-process: the directory, the lock, run_foreground, start failures."""
+"""kvdaemon.cli.lifecycle in-process: the directory, the lock, run_foreground, start failures."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from kvdaemon import lifecycle
+from kvdaemon.cli import lifecycle
 from kvdaemon.client import KVClient
-from kvdaemon.config import DaemonConfig
+from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.errors import Conflict, DaemonUnreachable, Forbidden, LifecycleError
-from kvdaemon.paths import DaemonPaths
-from kvdaemon.sizes import parse_size
+from kvdaemon.wire.paths import DaemonPaths
+from kvdaemon.wire.sizes import parse_size
 from tests.conftest import short_dir
 
 

@@ -11,10 +11,10 @@ import msgpack
 import pytest
 
 from kvdaemon.cuda_vmm import HostBackend
-from kvdaemon.protocol import PROTOCOL_VERSION, decode, encode, request
-from kvdaemon.service import Service
+from kvdaemon.wire.protocol import PROTOCOL_VERSION, decode, encode, request
+from kvdaemon.daemon.service import Service
 
-from ..conftest import PAGE_BYTES, small_spec
+from tests.conftest import PAGE_BYTES, small_spec
 
 NUM_PAGES = 16
 

@@ -10,9 +10,9 @@ import pytest
 
 from kvdaemon.client import KVSpec, PoolExhausted
 from kvdaemon.errors import DaemonUnreachable
-from kvdaemon.handles import recv_frame, send_frame
+from kvdaemon.wire.handles import recv_frame, send_frame
 
-from ..conftest import RunningDaemon, small_spec
+from tests.conftest import RunningDaemon, small_spec
 
 
 def wait_until(predicate: object, timeout_s: float = 3.0) -> None:

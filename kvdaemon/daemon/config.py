@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kvdaemon.errors import ConfigError
-from kvdaemon.paths import DaemonPaths, default_dir
-from kvdaemon.sizes import SizeSpec, format_bytes, parse_size, percent_of
+from kvdaemon.wire.paths import DaemonPaths, default_dir
+from kvdaemon.wire.sizes import SizeSpec, format_bytes, parse_size, percent_of
 
 if sys.version_info >= (3, 11):
     import tomllib

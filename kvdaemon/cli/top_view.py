@@ -2,7 +2,7 @@
 
 Takes the status object of DESIGN.md §13 (what ``KVClient.status()``
 returns) and builds the summary line and tenant cells of
-``kvdaemon.status_view``, plus bars: the capacity mapped by tenants, and per
+``kvdaemon.cli.status_view``, plus bars: the capacity mapped by tenants, and per
 tenant its mapped bytes against its limit (against the capacity when it has
 none) and its share of the capacity. Pure: builds renderables, prints
 nothing, reads no clock; O(tenants).
@@ -17,7 +17,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvdaemon import status_view
+from kvdaemon.cli import status_view
 
 BAR_WIDTH = 20
 FILLED, EMPTY = "█", "░"

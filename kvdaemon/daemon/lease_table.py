@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 
 from kvdaemon.errors import BadRequest, KVDaemonError
-from kvdaemon.handles import Outbox, check_same_uid, close_fds, recv_frame
+from kvdaemon.wire.handles import Outbox, check_same_uid, close_fds, recv_frame
 
 log = logging.getLogger("kvdaemon.leases")
 MAX_UNATTACHED = 256

@@ -17,10 +17,10 @@ import logging
 from typing import Any
 
 from kvdaemon.errors import BadRequest, Conflict, NoMemory, StaleRevision
-from kvdaemon.protocol import MAX_INT, Args
-from kvdaemon.tenant import Tenant
+from kvdaemon.wire.protocol import MAX_INT, Args
+from kvdaemon.daemon.tenant import Tenant
 
-log = logging.getLogger("kvdaemon.limits")
+log = logging.getLogger("kvdaemon.daemon.limits")
 MAX_WEIGHT = 1e6
 
 

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvdaemon.errors import KVDaemonError, NoMemory, UnknownTenant
-from kvdaemon.protocol import reply_error, reply_ok
+from kvdaemon.wire.protocol import reply_error, reply_ok
 
 if TYPE_CHECKING:
-    from kvdaemon.service import Service
-    from kvdaemon.tenant import Tenant
+    from kvdaemon.daemon.service import Service
+    from kvdaemon.daemon.tenant import Tenant
 
-log = logging.getLogger("kvdaemon.reclaim")
+log = logging.getLogger("kvdaemon.daemon.reclaim")
 WAIT_S = 2.0
 SLEEP_AFTER_S = 0.25
 

@@ -24,12 +24,13 @@ import click
 from rich.console import Console
 from rich.live import Live
 
-from kvdaemon import __version__, lifecycle, status_view, top_view
+from kvdaemon import __version__
+from kvdaemon.cli import lifecycle, status_view, top_view
 from kvdaemon.client import KVClient
-from kvdaemon.config import BACKENDS, LOG_LEVELS, dir_from, load_config
+from kvdaemon.daemon.config import BACKENDS, LOG_LEVELS, dir_from, load_config
 from kvdaemon.errors import ConfigError, DaemonUnreachable, KVDaemonError
-from kvdaemon.paths import DaemonPaths
-from kvdaemon.sizes import SizeSpec, format_bytes, parse_size
+from kvdaemon.wire.paths import DaemonPaths
+from kvdaemon.wire.sizes import SizeSpec, format_bytes, parse_size
 
 EXIT_UNREACHABLE = 1
 EXIT_USAGE = 2
@@ -42,7 +43,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class SizeParam(click.ParamType):
-    """A size option: bytes, ``512MiB``, ``2GiB``, ``40%`` (see ``kvdaemon.sizes``)."""
+    """A size option: bytes, ``512MiB``, ``2GiB``, ``40%`` (see ``kvdaemon.wire.sizes``)."""
 
     name = "size"
 

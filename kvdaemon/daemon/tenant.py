@@ -16,17 +16,14 @@ from typing import TYPE_CHECKING
 
 from kvdaemon.cuda_vmm.backend import PhysicalPage
 from kvdaemon.errors import BadRequest
-from kvdaemon.protocol import Args
+from kvdaemon.wire.dtypes import DTYPE_BYTES
+from kvdaemon.wire.protocol import Args
 
 if TYPE_CHECKING:
-    from kvdaemon.sleep import PendingSleep
-    from kvdaemon.swap import WarmCopy
+    from kvdaemon.daemon.sleep import PendingSleep
+    from kvdaemon.daemon.swap import WarmCopy
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-DTYPE_BYTES = {
-    "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
-    "uint8": 1,
-}
 MAX_SEGMENTS = 4096
 STATES = ("active", "sleeping-warm", "sleeping-cold")
 
