@@ -1,74 +1,53 @@
-"""``KVClient``: the engine's control connection to a kvdaemon.
+"""``KVClient``: the engine's and operator's control connection to a kvdaemon.
 
-A DEALER socket speaks the msgpack protocol of ``kvdaemon.wire.protocol``; each call
-sends one request and waits at most ``timeout_s`` for its reply, raising
-``DaemonUnreachable`` when nothing answers (and then starting a fresh socket,
-so a late reply can never be taken for the next one). Notices the daemon sends
-on its own (``shutdown``) are recorded as they arrive. All calls are
-serialised by one lock, so a background thread may share the client.
+Requests go over a ``ControlChannel`` (ZeroMQ DEALER, msgpack): each call waits
+at most ``timeout_s`` for its reply and raises ``NoReply`` when the daemon
+holds its directory but does not answer, ``DaemonUnreachable`` when none runs.
+Before the first request the client checks the directory (ours, 0700, not a
+symlink) and speaks the protocol version (``hello``). Calls are serialised by
+one lock, so threads may share a client.
 
-The socket is opened on the first request, not in the constructor.
+``register`` returns a started ``KVPool``; a pool has its own lease channels,
+so a caller blocked here (a sleep waiting for an engine to quiesce) never
+blocks any pool's answers to the daemon. The socket opens on the first request.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import threading
 from pathlib import Path
 from typing import Any
 
-import zmq
-
+from kvdaemon.client.control import ControlChannel
 from kvdaemon.client.lease import Lease
 from kvdaemon.client.pool import KVPool
+from kvdaemon.client.pool_state import PoolState
 from kvdaemon.client.spec import KVSpec
-from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError
+from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolClosed
 from kvdaemon.wire.paths import DaemonPaths, default_dir
-from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, decode, request, result_of
+from kvdaemon.wire.protocol import PROTOCOL_VERSION
+
+PROBE_TIMEOUT_S = 0.5  # a pool looking for a restarted daemon waits this long per try
 
 
 class KVClient:
-    """Control connection to the daemon at ``dir`` (default ``$KVDAEMON_DIR`` or /tmp/kvdaemon-$UID)."""
+    """Control connection to the daemon at ``dir`` (default ``$KVDAEMON_DIR``, else the
+    per-user default)."""
 
     def __init__(self, dir: str | Path | None = None, timeout_s: float = 5.0) -> None:  # noqa: A002
         self.dir = Path(dir) if dir is not None else default_dir()
         self.paths = DaemonPaths(self.dir)
         self.timeout_s = timeout_s
         self.daemon_info: dict[str, Any] | None = None
-        self.notices: list[dict[str, Any]] = []
+        self._channel = ControlChannel(self.paths, timeout_s)
         self._lock = threading.Lock()
-        self._ids = itertools.count(1)
-        self._sock: zmq.Socket | None = None
         self._backend: Any = None
         self._open_pools: dict[int, KVPool] = {}  # id() -> pools registered here, not yet closed
         self._closed = False
 
     # -- transport -------------------------------------------------------------
-
-    def _unreachable(self) -> DaemonUnreachable:
-        return DaemonUnreachable(
-            f"no kvdaemon running at {self.dir} — start it with `kvdaemon start`"
-        )
-
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            if not self.paths.control_socket.exists():
-                raise self._unreachable()
-            # The process-wide context: never terminated here, so closing or
-            # collecting a client can never block on another client's sockets.
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            sock.connect(self.paths.control_endpoint)
-            self._sock = sock
-        return self._sock
-
-    def _reset(self) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
 
     def call(self, op: str, args: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
         """Send one request and return its result; raise the error the daemon replied with.
@@ -76,32 +55,19 @@ class KVClient:
         ``timeout_s`` (default: the client's) bounds the wait for this reply.
         """
         with self._lock:
+            if self._closed:
+                raise PoolClosed("this KVClient is closed")
             if self.daemon_info is None and op != "hello":
                 self._hello_locked()
-            return self._call_locked(op, args or {}, timeout_s)
-
-    def _call_locked(self, op: str, args: dict[str, Any], timeout_s: float | None = None) -> Any:
-        sock = self._socket()
-        wait_s = self.timeout_s if timeout_s is None else timeout_s
-        sock.setsockopt(zmq.RCVTIMEO, max(1, int(wait_s * 1000)))
-        request_id = next(self._ids)
-        sock.send(request(request_id, op, args))
-        while True:
             try:
-                raw = sock.recv()  # waits at most timeout_s (RCVTIMEO)
-            except zmq.Again:
-                self._reset()
-                self.daemon_info = None
-                raise self._unreachable() from None
-            message = decode(raw)
-            if "notice" in message:
-                self.notices.append(message)
-                continue
-            if message.get("id") == request_id:
-                return result_of(message)
+                return self._channel.call(op, args or {}, timeout_s)
+            except KVDaemonError as exc:
+                if isinstance(exc, DaemonUnreachable):
+                    self.daemon_info = None  # a restarted daemon may differ: ask again
+                raise
 
     def _hello_locked(self) -> dict[str, Any]:
-        info = self._call_locked("hello", {"version": PROTOCOL_VERSION})
+        info = self._channel.call("hello", {"version": PROTOCOL_VERSION})
         self.daemon_info = info
         return info
 
@@ -140,9 +106,19 @@ class KVClient:
 
         ``warm`` keeps its KV in host memory (restored on wake at the same
         addresses); ``cold`` drops it. Raises ``Conflict`` if the engine does
-        not quiesce in time (then nothing was freed).
+        not quiesce in time or cannot be quiesced (then nothing was freed), and
+        ``NoReply`` if no answer came within ``timeout_s`` (the sleep may still
+        complete). A pool of this client sleeps on its owner's word, and is
+        asleep locally when this returns.
         """
-        return self.call("sleep", {"name": name, "mode": mode}, timeout_s=timeout_s)
+        args: dict[str, Any] = {"name": name, "mode": mode}
+        own = self._own_pool(name)
+        if own is not None:
+            args["token"] = own.lease.token
+        result = self.call("sleep", args, timeout_s=timeout_s)
+        if own is not None and str(result.get("state", "")).startswith("sleeping"):
+            own.wait_state(lambda s: s.asleep or s.ended, timeout_s)  # asleep here too on return
+        return result
 
     def wake(self, name: str, timeout_s: float = 60.0) -> dict[str, Any]:
         """Wake tenant ``name``: fresh pages at the same addresses, bytes restored if warm.
@@ -150,13 +126,16 @@ class KVClient:
         When the tenant is a pool of this client, returns once the pool has mapped them.
         """
         result = self.call("wake", {"name": name}, timeout_s=timeout_s)
-        for pool in list(self._open_pools.values()):
-            if pool.name == name:
-                pool.awake.wait(timeout_s)
+        own = self._own_pool(name)
+        if own is not None:
+            own.wait_state(lambda s: not (s.asleep or s is PoolState.SLEEP_PENDING), timeout_s)
         return result
 
+    def _own_pool(self, name: str) -> KVPool | None:
+        return next((p for p in list(self._open_pools.values()) if p.name == name), None)
+
     def shutdown(self) -> None:
-        """Ask the daemon to exit (it releases every page first)."""
+        """Ask the daemon to exit (tenants keep their pages and wait for the next one)."""
         self.call("shutdown")
 
     def register(
@@ -180,21 +159,25 @@ class KVClient:
         ``alloc``. ``grow_wait_s`` bounds how long a grow waits for other
         tenants' pages (``None``: the daemon's 2 s; ``0``: ``PoolExhausted`` at
         once, while the others are still asked to give pages back).
-        Raises ``Conflict`` if the name is taken.
+        Raises ``Conflict`` if the name is taken, ``PoolClosed`` on a closed client.
         """
+        if self._closed:
+            raise PoolClosed("this KVClient is closed")
         info = self.daemon_info or self.hello()
         page = int(info["page_size"])
         total = int(info["capacity_bytes"]) if virtual_bytes is None else virtual_bytes
         if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
             raise BadRequest(f"virtual_bytes must be a positive number of bytes, got {total!r}")
         num_virtual_pages = max(1, total // (spec.num_segments * page))
-        lease = self.lease(
-            name, spec, num_virtual_pages=num_virtual_pages, max_bytes=max_bytes,
-            min_bytes=min_bytes, weight=weight,
-        )
+        limits = {"max_bytes": max_bytes, "min_bytes": min_bytes, "weight": weight}
+        lease = self.lease(name, spec, num_virtual_pages=num_virtual_pages, **limits)
+
+        def relink() -> Lease:
+            return self._relink(name, spec, num_virtual_pages, limits)
+
         pool = KVPool(
             lease, spec, num_virtual_pages, num_spare_pages, num_prefetch_pages, auto_wake,
-            register_args={"max_bytes": max_bytes, "min_bytes": min_bytes, "weight": weight},
+            relink=relink, on_close=self._pool_closed,
         )
         pool.grow_wait_s = grow_wait_s
         try:
@@ -205,7 +188,18 @@ class KVClient:
         self._open_pools[id(pool)] = pool
         return pool
 
-    def pool_closed(self, pool: KVPool) -> None:
+    def _relink(self, name: str, spec: KVSpec, num_virtual_pages: int, limits: dict[str, Any]) -> Lease:
+        """Register ``name`` again with a daemon that answers now (after a restart)."""
+        probe = ControlChannel(self.paths, PROBE_TIMEOUT_S)
+        try:
+            probe.call("hello", {"version": PROTOCOL_VERSION})
+        finally:
+            probe.close()
+        with self._lock:
+            self.daemon_info = None
+        return self.lease(name, spec, num_virtual_pages=num_virtual_pages, **limits)
+
+    def _pool_closed(self, pool: KVPool) -> None:
         """Called by ``KVPool.close``: the last pool of a closed client closes the backend."""
         self._open_pools.pop(id(pool), None)
         if self._closed and not self._open_pools:
@@ -225,6 +219,7 @@ class KVClient:
         max_bytes: int | None = None,
         min_bytes: int = 0,
         weight: float = 1.0,
+        sleepable: bool = False,
     ) -> Lease:
         """Register a tenant and attach its handle channel; return its ``Lease``.
 
@@ -233,12 +228,12 @@ class KVClient:
         """
         args: dict[str, Any] = {
             "name": name, "spec": spec.to_wire(), "num_virtual_pages": num_virtual_pages,
-            "min_bytes": min_bytes, "weight": weight, "pid": os.getpid(),
+            "min_bytes": min_bytes, "weight": weight, "pid": os.getpid(), "sleepable": sleepable,
         }
         if max_bytes is not None:
             args["max_bytes"] = max_bytes
         reply = self.call("register", args)
-        lease = Lease(self, name, reply)
+        lease = Lease(self.paths, self.timeout_s, self.backend(), name, reply)
         try:
             lease.attach()
         except KVDaemonError:
@@ -262,7 +257,7 @@ class KVClient:
         """Close the socket. Pools registered here stay usable until closed; the
         backend (this process's imported pages and ranges) closes with the last of them."""
         with self._lock:
-            self._reset()
+            self._channel.close()
             self._closed = True
         if not self._open_pools:
             self._close_backend()

@@ -1,70 +1,92 @@
-"""``Lease``: one registered tenant's grants, through its handle channel.
+"""``Lease``: one registered tenant's channels to the daemon.
 
-The handle channel (AF_UNIX ``SOCK_SEQPACKET``) carries the page fds of each
-grant and is the tenant's lease: while it is open the daemon keeps the
-tenant's pages; when this process dies the kernel closes it and the daemon
-takes the pages back.
+- The *handle channel* (AF_UNIX ``SOCK_SEQPACKET``) carries the page fds of
+  each grant and the daemon's notices; it is the tenant's lease: while it is
+  open the daemon keeps the tenant's pages; when this process dies the kernel
+  closes it and the daemon takes them back. Before anything is sent on it, the
+  peer must run as our uid (``SO_PEERCRED``).
+- A *control channel* of its own (``ControlChannel``), so a caller blocked on
+  the user's client (a sleep waiting for us to quiesce) never blocks our answers.
 
-``grow`` asks for logical pages over the control channel, then takes the fds of
-that grant from the handle channel and imports them through the backend.
-``shrink`` gives logical pages back; the caller unmaps them first.
+One reader thread owns the handle channel once attached: grant frames go to a
+mailbox by grant id that ``receive_grant`` waits on; notices are parsed
+(``kvdaemon.wire.messages``) and handed to ``on_notice``, which must not block.
+The reader takes no lock but the mailbox's own, so nothing can deadlock with it.
 
-One reader thread owns the handle channel once attached: grant frames go to
-a queue that ``grow`` waits on, and notices the daemon sends on its own
-(``reclaim``) go to ``on_notice``, which must not block. The reader never
-takes a lock, so a ``grow`` waiting for its frames cannot deadlock with it.
-Cost: one control round trip plus one ``recvmsg`` per 200 pages.
+A grow whose reply does not come in time is not a decision: it stays
+outstanding, its candidate pages are ``in_flight``, and ``late_grants`` returns
+the pages once the reply arrives, for the pool to map (adopt) or give back.
+
+Cost: one control round trip plus one ``recvmsg`` per 200 pages per grow.
 """
 
 from __future__ import annotations
 
 import contextlib
-import queue
+import logging
+import os
 import socket
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvdaemon.cuda_vmm.backend import PhysicalPage
-from kvdaemon.errors import BadRequest, KVDaemonError, from_code
-from kvdaemon.wire.handles import close_fds, recv_frame, send_frame
+from kvdaemon.client.control import ControlChannel
+from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
+from kvdaemon.errors import BadRequest, Forbidden, KVDaemonError, NoReply, from_code
+from kvdaemon.wire.handles import close_fds, peer_credentials, recv_frame, send_frame
+from kvdaemon.wire.messages import Notice, parse_grant_pages, parse_notice
+from kvdaemon.wire.paths import DaemonPaths
+from kvdaemon.wire.protocol import result_of
 
-if TYPE_CHECKING:
-    from kvdaemon.client.connection import KVClient
-
+log = logging.getLogger("kvdaemon.client")
+Grant = dict[int, list[PhysicalPage]]
+"""Granted pages: ``{logical page: [physical page of segment 0, 1, ...]}``."""
 
 
 class Lease:
-    """A tenant registered through ``KVClient.lease``."""
+    """A tenant registered through ``KVClient.lease`` (see the module docstring)."""
 
-    def __init__(self, client: KVClient, name: str, reply: dict[str, Any]) -> None:
-        self.client = client
+    def __init__(
+        self, paths: DaemonPaths, timeout_s: float, backend: Backend, name: str,
+        reply: dict[str, Any],
+    ) -> None:
+        self.paths = paths
+        self.timeout_s = timeout_s
+        self.backend = backend
         self.name = name
         self.token: str = reply["token"]
         self.tenant_id: int = reply["tenant_id"]
         self.page_size_bytes: int = reply["page_size"]
         self.num_segments: int = reply["num_segments"]
-        self.backend = client.backend()
-        # Our own control connection: a caller blocked on the user's client (a sleep
-        # waiting for us to quiesce) must never block our answers.
-        self.control = type(client)(client.dir, timeout_s=client.timeout_s)
-        self.on_notice: Callable[[dict[str, Any]], None] | None = None
+        self.limit: dict[str, Any] = dict(reply.get("limit") or {"max_bytes": reply.get("max_bytes")})
+        self.control = ControlChannel(paths, timeout_s)
+        self.on_notice: Callable[[Notice], None] | None = None
         self.lost = threading.Event()  # set when the handle channel closes under us
+        self.outstanding_grows: dict[int, list[int]] = {}  # request id -> candidate pages
         self._sock: socket.socket | None = None
-        self._frames: queue.Queue[tuple[dict[str, Any], list[int]] | None] = queue.Queue()
+        self._frames: dict[int, list[tuple[dict[str, Any], list[int]]]] = {}
+        self._frames_changed = threading.Condition()
         self._reader: threading.Thread | None = None
 
+    # -- the handle channel ----------------------------------------------------
+
     def attach(self) -> None:
-        """Open the handle channel and bind it to this tenant."""
+        """Open the handle channel, check the daemon's uid, and bind it to this tenant."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.settimeout(self.client.timeout_s)
+        sock.settimeout(self.timeout_s)
         try:
-            sock.connect(str(self.client.paths.handle_socket))
+            sock.connect(str(self.paths.handle_socket))
+            _, uid, _ = peer_credentials(sock)
+            if uid != os.getuid():
+                raise Forbidden(f"the handle socket at {self.paths.root} is served by uid {uid}, not by you")
             send_frame(sock, {"tenant": self.name, "token": self.token})
             body, fds = recv_frame(sock)
         except (OSError, ConnectionError) as exc:
             sock.close()
-            raise self.client._unreachable() from exc
+            raise self.control.unreachable() from exc
+        except KVDaemonError:
+            sock.close()
+            raise
         close_fds(fds)
         if not body.get("ok"):
             sock.close()
@@ -72,9 +94,7 @@ class Lease:
             raise from_code(str(error.get("code")), str(error.get("message")))
         sock.settimeout(None)
         self._sock = sock
-        self._reader = threading.Thread(
-            target=self._read_loop, name=f"kvdaemon-lease-{self.name}", daemon=True
-        )
+        self._reader = threading.Thread(target=self._read_loop, name=f"kvdaemon-lease-{self.name}", daemon=True)
         self._reader.start()
 
     def _read_loop(self) -> None:
@@ -87,84 +107,145 @@ class Lease:
                 break
             if "notice" in body:
                 close_fds(fds)
-                if self.on_notice is not None:
-                    self.on_notice(body)
-            else:
-                self._frames.put((body, fds))
+                self._deliver(body)
+                continue
+            grant_id = body.get("grant_id")
+            if not isinstance(grant_id, int):
+                close_fds(fds)
+                continue
+            with self._frames_changed:
+                self._frames.setdefault(grant_id, []).append((body, fds))
+                self._frames_changed.notify_all()
         self.lost.set()
-        self._frames.put(None)
+        with self._frames_changed:
+            self._frames_changed.notify_all()
 
-    def _args(self, **extra: Any) -> dict[str, Any]:
-        return {"tenant": self.name, "token": self.token, **extra}
+    def _deliver(self, body: dict[str, Any]) -> None:
+        try:
+            notice = parse_notice(body)
+        except BadRequest as exc:
+            log.warning("lease %s: ignored a malformed notice: %s", self.name, exc)
+            return
+        if self.on_notice is not None:
+            self.on_notice(notice)
 
-    def grow(self, logical_pages: list[int], wait_s: float | None = None) -> dict[int, list[PhysicalPage]]:
-        """Map nothing yet: obtain and import one page per segment for each logical page.
-
-        Returns ``{logical_page: [page of segment 0, 1, ...]}``. Raises
-        ``NoMemory``/``OverLimit``/``Asleep`` from the daemon, with nothing granted.
-        ``wait_s`` bounds how long the daemon may wait for other tenants to give
-        pages back (``None``: the daemon's default, 2 s; ``0``: fail at once).
-        """
-        args = self._args(logical_pages=list(logical_pages))
-        if wait_s is not None:
-            args["wait_s"] = wait_s
-        reply = self.control.call("grow", args)
-        return self.receive_grant(reply["grant_id"], reply["pages"])
-
-    def receive_grant(self, grant_id: int, pages: list[list[Any]]) -> dict[int, list[PhysicalPage]]:
+    def receive_grant(self, grant_id: int, pages: list[list[Any]]) -> Grant:
         """Import the fds of grant ``grant_id`` (``pages``: ``[[lp, [page ids]], ...]``)."""
+        pages = parse_grant_pages(pages)
         page_ids = [pid for _, ids in pages for pid in ids]
         imported = self._receive(grant_id, page_ids)
         nseg = self.num_segments
         return {lp: imported[i * nseg : (i + 1) * nseg] for i, (lp, _) in enumerate(pages)}
 
-    def wake(self) -> dict[str, Any]:
-        """Ask the daemon to wake this tenant (the pool maps the grant when told)."""
-        return self.control.call("wake", {"name": self.name, "token": self.token})
-
-    def sleep_ready(self, sleep_id: int) -> dict[str, Any]:
-        """Tell the daemon our pages are unmapped for sleep ``sleep_id`` (it may refuse: too late)."""
-        return self.control.call("sleep_ready", self._args(sleep_id=sleep_id))
-
     def _receive(self, grant_id: int, page_ids: list[int]) -> list[PhysicalPage]:
+        """Import grant ``grant_id``'s frames; on a bad frame nothing stays imported or open."""
         if self._sock is None:
             raise KVDaemonError(f"tenant {self.name!r} is not attached")
+        frames = self._take_frames(grant_id, len(page_ids))
         pages: list[PhysicalPage] = []
-        while len(pages) < len(page_ids):
-            try:
-                frame = self._frames.get(timeout=self.client.timeout_s)
-            except queue.Empty:
-                frame = None
-            if frame is None:
-                self._frames.put(None)  # keep the end visible to later calls
-                raise self.client._unreachable()
-            body, fds = frame
-            ids, fd_index = body.get("page_ids"), body.get("fd_index")
-            stale = body.get("grant_id")
-            if isinstance(stale, int) and stale < grant_id:
-                close_fds(fds)  # a grant whose reply we gave up on: its pages are shrunk apart
-                continue
-            if (
-                body.get("grant_id") != grant_id
-                or not isinstance(ids, list)
-                or not ids
-                or ids != page_ids[len(pages) : len(pages) + len(ids)]
-                or not isinstance(fd_index, list)
-            ):
+        try:
+            for i, (body, fds) in enumerate(frames):
+                ids, fd_index = body.get("page_ids"), body.get("fd_index")
+                expected = page_ids[len(pages) : len(pages) + len(ids or [])]
+                if not isinstance(ids, list) or not ids or ids != expected or not isinstance(fd_index, list):
+                    raise BadRequest(f"handle channel out of step for grant {grant_id}")
+                frames[i] = (body, [])  # the backend owns the fds from here, even if it fails
+                pages.extend(self.backend.import_pages(fds, ids, fd_index))
+        except KVDaemonError:
+            for _, fds in frames:
                 close_fds(fds)
-                raise BadRequest(f"handle channel out of step for grant {grant_id}")
-            pages.extend(self.backend.import_pages(fds, ids, fd_index))
+            for page in pages:
+                self.backend.release_page(page)
+            raise
         return pages
+
+    def _take_frames(self, grant_id: int, num_pages: int) -> list[tuple[dict[str, Any], list[int]]]:
+        """Wait (bounded by the timeout) until grant ``grant_id``'s frames cover ``num_pages``."""
+        def covered() -> bool:
+            return _enough(self._frames.get(grant_id, []), num_pages) or self.lost.is_set()
+
+        with self._frames_changed:
+            if not self._frames_changed.wait_for(covered, self.timeout_s) or not _enough(
+                self._frames.get(grant_id, []), num_pages
+            ):
+                for _, fds in self._frames.pop(grant_id, []):
+                    close_fds(fds)
+                raise self.control.unreachable()
+            return self._frames.pop(grant_id)
+
+    # -- ops -------------------------------------------------------------------
+
+    def _args(self, **extra: Any) -> dict[str, Any]:
+        return {"tenant": self.name, "token": self.token, **extra}
+
+    def grow(
+        self, logical_pages: list[int], wait_s: float | None = None, min_pages: int | None = None
+    ) -> Grant:
+        """Obtain and import pages for the first n of ``logical_pages``, ``min_pages <= n``.
+
+        Maps nothing. Raises ``NoMemory``/``OverLimit``/``Asleep`` from the daemon
+        with nothing granted. ``wait_s`` bounds how long the daemon may wait for
+        other tenants to give pages back (``None``: its default; ``0``: fail at
+        once). No reply in time raises ``NoReply`` and leaves the grow
+        outstanding (see ``late_grants``).
+        """
+        args = self._args(logical_pages=list(logical_pages))
+        if min_pages is not None:
+            args["min_pages"] = min_pages
+        if wait_s is not None:
+            args["wait_s"] = wait_s
+        try:
+            reply = self.control.call_keep("grow", args, self.timeout_s + (wait_s or 2.0))
+        except NoReply as exc:
+            self.outstanding_grows[exc.request_id] = list(logical_pages)  # type: ignore[attr-defined]
+            raise
+        return self.receive_grant(reply["grant_id"], reply["pages"])
+
+    @property
+    def in_flight(self) -> set[int]:
+        """Logical pages asked for by grows still waiting for their reply."""
+        return {lp for lps in self.outstanding_grows.values() for lp in lps}
+
+    def late_grants(self) -> list[Grant]:
+        """Grants of outstanding grows answered since (imported, not mapped); refusals dropped."""
+        grants: list[Grant] = []
+        for request_id in list(self.outstanding_grows):
+            reply = self.control.collect(request_id)
+            if reply is None:
+                continue
+            del self.outstanding_grows[request_id]
+            try:
+                result = result_of(reply)
+                grants.append(self.receive_grant(result["grant_id"], result["pages"]))
+            except KVDaemonError as exc:
+                log.info("lease %s: a late grow came back refused or unusable: %s", self.name, exc)
+        return grants
 
     def shrink(self, logical_pages: list[int]) -> int:
         """Give logical pages back (already unmapped here); return how many went."""
         reply = self.control.call("shrink", self._args(logical_pages=list(logical_pages)))
         return int(reply["num_released"])
 
-    def heartbeat(self, used_bytes: int | None = None) -> dict[str, Any]:
-        """Tell the daemon we are alive and how many bytes of blocks we hold."""
-        args = self._args() if used_bytes is None else self._args(used_bytes=used_bytes)
+    def heartbeat(self, used_bytes: int | None = None, sleepable: bool | None = None) -> dict[str, Any]:
+        """Tell the daemon we are alive, how many bytes of blocks we hold, whether we can quiesce."""
+        args = self._args()
+        if used_bytes is not None:
+            args["used_bytes"] = used_bytes
+        if sleepable is not None:
+            args["sleepable"] = sleepable
         return self.control.call("heartbeat", args)
+
+    def wake(self) -> dict[str, Any]:
+        """Ask the daemon to wake this tenant (the pool maps the grant when told)."""
+        return self.control.call("wake", {"name": self.name, "token": self.token})
+
+    def sleep_ready(self, sleep_id: int, refused: bool = False) -> dict[str, Any]:
+        """Our answer to sleep ``sleep_id`` (pages unmapped, or ``refused``); waits for the
+        daemon's decision while it lives: ``Conflict`` when it cancelled the sleep."""
+        args = self._args(sleep_id=sleep_id, refused=refused)
+        return self.control.call_until_answered("sleep_ready", args, alive=lambda: not self.lost.is_set())
+
+    # -- ending ----------------------------------------------------------------
 
     def abandon(self) -> None:
         """Close a lease whose daemon is gone, without telling anyone."""
@@ -174,6 +255,7 @@ class Lease:
     def close(self) -> None:
         """Unregister (the daemon frees our pages) and close the handle channel."""
         if self._sock is None:
+            self.control.close()
             return
         try:
             if not self.lost.is_set():
@@ -185,4 +267,15 @@ class Lease:
                 self._reader.join(5)
             self._sock.close()
             self._sock = None
+            with self._frames_changed:
+                for frames in self._frames.values():
+                    for _, fds in frames:
+                        close_fds(fds)
+                self._frames.clear()
             self.control.close()
+
+
+def _enough(frames: list[tuple[dict[str, Any], list[int]]], num_pages: int) -> bool:
+    return sum(len(b.get("page_ids") or []) for b, _ in frames) >= num_pages
+
+

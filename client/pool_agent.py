@@ -1,129 +1,165 @@
-"""``PoolAgent``: the thread that answers the daemon for a pool while the engine is busy or idle.
+"""``PoolAgent``: the thread that answers the daemon for a pool, whether its engine is busy or idle.
 
-The lease's reader thread hands it notices (``on_notice`` never blocks: it
-records and wakes the agent). The agent then, holding the pool's lock only as
-long as each answer takes:
+The lease's reader thread hands it parsed notices (``on_notice`` only queues
+and wakes it: it never blocks). The agent handles them in order, holding the
+pool's lock only as long as each answer takes:
 
-- ``reclaim`` N: returns up to N spare pages (pages with live blocks stay);
-- ``revoked``: the daemon took the lease back, so every page is unmapped here
-  and later allocations fail instead of touching memory now owned by others;
-- every ``HEARTBEAT_S``: retries page returns the daemon has not confirmed and
-  reports ``used_bytes`` when it changed.
+- ``reclaim`` N: returns up to N spare pages, then asks the engine's
+  ``reclaim_hook`` to evict cache-only blocks and returns the pages that
+  emptied; what is still short is *owed* and goes back as blocks are freed;
+- ``sleep`` / ``wake``: see ``pool_sleep``; ``limit``: the pool's known limit;
+- ``revoked``: every page is unmapped here and the pool ends (``REVOKED``);
+- ``shutdown``: logged; the lease's end follows.
 
-Cost: one wake-up per notice or heartbeat; nothing on the engine's hot path.
+Then, on every wake-up (a notice, ``nudge()`` from ``free``, or each
+``HEARTBEAT_S``): returns excess spare pages, retries unconfirmed returns,
+adopts late grants, and tells the daemon ``used_bytes`` and whether the pool can
+be quiesced when they changed. When the daemon is gone it keeps the pool
+serving from its mappings (``DETACHED``) and re-registers with the next daemon
+(``pool_reconnect``).
+
+An exception in a user hook or a failed request is logged and the agent goes
+on: it never dies silently. Cost: nothing on the engine's hot path.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
+from kvdaemon.client.lease import Lease
+from kvdaemon.client.pool_core import PoolCore
 from kvdaemon.client.pool_reconnect import try_reconnect
 from kvdaemon.client.pool_sleep import sleep_pool, wake_pool
+from kvdaemon.client.pool_state import PoolState
 from kvdaemon.errors import KVDaemonError
-
-if TYPE_CHECKING:
-    from kvdaemon.client.pool import KVPool
+from kvdaemon.wire.messages import (
+    LimitNotice, Notice, ReclaimNotice, RevokedNotice, ShutdownNotice, SleepCancelledNotice,
+    SleepNotice, WakeNotice,
+)
 
 log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
 
 
 class PoolAgent:
-    """Background answers to the daemon for one ``KVPool``."""
+    """Background answers to the daemon for one pool (see the module docstring)."""
 
-    def __init__(self, pool: KVPool) -> None:
-        self.pool = pool
-        self.revoked = False
-        self._reclaim_pages = 0
-        self._revoke_pending = False
-        self._sleeps: list[tuple[str, dict[str, Any]]] = []  # sleep/wake notices, in order
-        self._notice_lock = threading.Lock()  # guards the two fields above; never held long
+    def __init__(self, core: PoolCore, relink: Callable[[], Lease] | None) -> None:
+        self.core = core
+        self.relink = relink
+        self._inbox: list[Notice] = []
+        self._inbox_lock = threading.Lock()  # a leaf: held only to append or swap the list
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._reported_used = -1
+        self._reported: tuple[int, bool] | None = None  # (used bytes, sleepable) last told
 
     def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._loop, name=f"kvpool-{self.pool.name}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop, name=f"kvpool-{self.core.name}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(5)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(10)
 
-    def on_notice(self, body: dict[str, Any]) -> None:
-        """Called on the lease's reader thread: record the request and wake the agent."""
-        kind, args = body.get("notice"), body.get("args")
-        with self._notice_lock:
-            if kind == "reclaim" and isinstance(args, dict):
-                num_pages = args.get("num_pages")
-                if isinstance(num_pages, int) and num_pages > 0:
-                    self._reclaim_pages = max(self._reclaim_pages, num_pages)
-            elif kind == "revoked":
-                self._revoke_pending = True
-            elif kind in ("sleep", "wake") and isinstance(args, dict):
-                self._sleeps.append((kind, args))
+    def on_notice(self, notice: Notice) -> None:
+        """Called on the lease's reader thread: queue the notice and wake the agent."""
+        with self._inbox_lock:
+            self._inbox.append(notice)
+        self._wake.set()
+
+    def nudge(self) -> None:
+        """Wake the agent now (spare pages to return, a hook changed)."""
         self._wake.set()
 
     def _loop(self) -> None:
         while not self._stopping:
             self._wake.wait(HEARTBEAT_S)
             self._wake.clear()
-            if self._stopping:
-                return
-            with self._notice_lock:
-                wanted, self._reclaim_pages = self._reclaim_pages, 0
-                revoke, self._revoke_pending = self._revoke_pending, False
-                sleeps, self._sleeps = self._sleeps, []
-            if revoke:
-                self._revoke()
-                return
-            if self.pool.lease.lost.is_set():
-                # The daemon is gone: keep serving from what is mapped, and move
-                # to a new daemon as soon as one answers on the same directory.
-                try_reconnect(self.pool)
-                continue
-            try:
-                self._sleep_or_wake(sleeps)
-                self._answer(wanted)
-            except KVDaemonError as exc:
-                log.warning("pool %s: daemon request failed: %s", self.pool.name, exc)
+            with self._inbox_lock:
+                notices, self._inbox = self._inbox, []
+            for notice in notices:
+                if self._stopping:
+                    return
+                self._guarded(self._handle, notice)
+            if not self._stopping:
+                self._guarded(self._housekeep)
 
-    def _sleep_or_wake(self, sleeps: list[tuple[str, dict[str, Any]]]) -> None:
-        for kind, args in sleeps:
-            mode = str(args.get("mode"))
-            if kind == "sleep":
-                sleep_pool(self.pool, mode, int(args.get("sleep_id", 0)))
-            else:
-                wake_pool(self.pool, mode, int(args.get("grant_id", 0)), list(args.get("pages", [])))
+    def _guarded(self, step: Callable[..., None], *args: object) -> None:
+        try:
+            step(*args)
+        except KVDaemonError as exc:
+            log.warning("pool %s: daemon request failed: %s", self.core.name, exc)
+        except Exception:  # a user hook or a bug: log it and keep answering the daemon
+            log.exception("pool %s: the agent's step failed; it carries on", self.core.name)
 
-    def _answer(self, wanted: int) -> None:
-        if wanted:
-            num_returned = self.pool.return_spare(wanted)
-            hook = self.pool.reclaim_hook
-            if num_returned < wanted and hook is not None:
-                # Cache-only pages next: evicting unreferenced cached blocks empties pages.
-                hook((wanted - num_returned) * self.pool.blocks_per_page)
-                num_returned += self.pool.return_spare(wanted - num_returned)
-            if num_returned < wanted:
-                with self.pool.lock:  # the rest go back as their blocks are freed
-                    self.pool.owed_pages = max(self.pool.owed_pages, wanted - num_returned)
-            log.info("pool %s: returned %d page(s) on request", self.pool.name, num_returned)
-        with self.pool.lock:
-            self.pool.retry_returns()
-        used = self.pool.used_bytes
-        if used != self._reported_used:
-            self.pool.lease.heartbeat(used_bytes=used)
-            self._reported_used = used
+    def _handle(self, notice: Notice) -> None:
+        core = self.core
+        if core.state.ended:
+            return
+        if isinstance(notice, ReclaimNotice):
+            self._reclaim(notice.num_pages)
+        elif isinstance(notice, SleepNotice):
+            sleep_pool(core, notice)
+        elif isinstance(notice, WakeNotice):
+            wake_pool(core, notice)
+        elif isinstance(notice, LimitNotice):
+            with core.lock:
+                core.set_limit({"max_bytes": notice.max_bytes})
+        elif isinstance(notice, RevokedNotice):
+            self._revoke(notice.why)
+        elif isinstance(notice, SleepCancelledNotice):
+            log.info("pool %s: the daemon cancelled sleep %d", core.name, notice.sleep_id)
+        elif isinstance(notice, ShutdownNotice):
+            log.info("pool %s: the daemon is stopping; serving from the pages mapped", core.name)
 
-    def _revoke(self) -> None:
-        log.error("pool %s: the daemon revoked its lease; every page is unmapped", self.pool.name)
-        with self.pool.lock:
-            self.revoked = True
-            self.pool.drop_all_pages()
+    def _reclaim(self, wanted: int) -> None:
+        core = self.core
+        returned = core.return_spare(wanted)
+        hook = core.reclaim_hook
+        if returned < wanted and hook is not None:
+            hook((wanted - returned) * core.allocator.blocks_per_page)  # cache-only pages next
+            returned += core.return_spare(wanted - returned)
+        if returned < wanted:
+            with core.lock:  # the rest go back as their blocks are freed
+                core.owed_pages = max(core.owed_pages, wanted - returned)
+        log.info("pool %s: returned %d of %d page(s) on request", core.name, returned, wanted)
+
+    def _revoke(self, why: str) -> None:
+        core = self.core
+        log.error("pool %s: the daemon revoked its lease (%s); every page is unmapped", core.name, why)
+        with core.lock:
+            core.drop_all_pages()
+            core.cell.move(PoolState.REVOKED)
+
+    def _housekeep(self) -> None:
+        core = self.core
+        if core.state.ended:
+            return
+        if core.lease.lost.is_set():
+            self._detached()
+            return
+        with core.lock:
+            if core.state is PoolState.ACTIVE:
+                core.adopt_late_grants()
+                core.return_excess()
+            core.retry_returns()
+            used = core.allocator.num_live * core.spec.block_bytes * core.spec.num_segments
+        report = (used, core.quiesce_hook is not None)
+        if report != self._reported:
+            core.lease.heartbeat(used_bytes=report[0], sleepable=report[1])
+            self._reported = report
+
+    def _detached(self) -> None:
+        """The daemon is gone: keep serving what is mapped; move to a new daemon once one answers."""
+        core = self.core
+        with core.lock:
+            if core.state is PoolState.ACTIVE:
+                core.cell.move(PoolState.DETACHED)
+                log.warning("pool %s: its daemon is gone; serving from the pages mapped", core.name)
+        if self.relink is not None and try_reconnect(core, self.relink):
+            self._reported = None  # tell the new daemon what we hold and whether we can sleep

@@ -2,103 +2,81 @@
 
 While no daemon runs, the pool's pages stay mapped (this process holds their
 handles), so the engine keeps reading and writing its KV; only growing fails.
-When a daemon answers on the same directory again, the agent:
+When a daemon answers on the same directory again, the agent (``try_reconnect``):
 
-1. registers the tenant again (same name, spec, virtual size and limits) and
-   attaches a new lease;
-2. grows the same logical pages from the new daemon;
-3. for each page and segment: maps the new page at a staging slot, copies the
-   bytes, and swaps it in at the segment's address (unmap old, map new), all
-   under the pool's lock and with the engine held between steps (the pool's
-   quiesce and resume hooks, as for a sleep: a page is briefly unmapped), so
-   block ids, addresses and bytes are unchanged;
+1. registers the tenant again (same name, spec, virtual size, limits) and
+   attaches a new lease (``relink``);
+2. grows exactly the logical pages mapped here from the new daemon, so its
+   accounting equals what the pool maps: page returns and grows the old daemon
+   never confirmed are forgotten with it;
+3. for each page and segment copies the bytes into the new page and swaps it
+   in at the same address (``SegmentMap.move``), under the pool's lock and with
+   the engine held between steps (the quiesce and resume hooks), so block ids,
+   addresses and bytes are unchanged;
 4. releases the old pages (the dead daemon's memory goes back to the OS).
 
-If the new daemon has too little room, the pool keeps its old pages and tries
-again on the next tick. Cost: one page copy per page and segment.
+A pool asleep when its daemon died wakes empty (its warm copy died with the
+daemon; counted in ``num_block_losses``). If the new daemon has too little
+room, the pool keeps its old pages and tries again on the next tick.
+Cost: one page copy per page and segment.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
-from kvdaemon.errors import DaemonUnreachable, KVDaemonError
-
-if TYPE_CHECKING:
-    from kvdaemon.client.lease import Lease
-    from kvdaemon.client.pool import KVPool
+from kvdaemon.client.lease import Lease
+from kvdaemon.client.pool_core import PoolCore
+from kvdaemon.client.pool_state import PoolState
+from kvdaemon.errors import KVDaemonError
 
 log = logging.getLogger("kvdaemon.client.pool")
-PROBE_TIMEOUT_S = 0.5
 
 
-def try_reconnect(pool: KVPool) -> bool:
+def try_reconnect(core: PoolCore, relink: Callable[[], Lease]) -> bool:
     """One attempt; True once the pool is registered with a live daemon again."""
-    client = pool.lease.client
-    probe = type(client)(client.dir, timeout_s=PROBE_TIMEOUT_S)
     try:
-        probe.hello()
-    except DaemonUnreachable:
-        return False
-    finally:
-        probe.close()
-    try:
-        lease = client.lease(
-            pool.name, pool.spec, num_virtual_pages=pool.num_virtual_pages, **pool.register_args
-        )
+        lease = relink()
     except KVDaemonError as exc:
-        log.warning("pool %s: re-registering failed: %s", pool.name, exc)
+        log.debug("pool %s: no new daemon yet: %s", core.name, exc)
         return False
-    if pool.quiesce_hook is not None:
-        pool.quiesce_hook()
+    if core.quiesce_hook is not None:
+        core.quiesce_hook()
     try:
-        with pool.lock:
-            _move_pages(pool, lease)
+        with core.lock:
+            _move_pages(core, lease)
     except KVDaemonError as exc:
-        log.warning("pool %s: moving pages to the new daemon failed: %s", pool.name, exc)
+        log.warning("pool %s: moving pages to the new daemon failed: %s", core.name, exc)
         lease.close()
         return False
     finally:
-        if pool.resume_hook is not None:
-            pool.resume_hook()
-    old, pool.lease = pool.lease, lease
-    lease.on_notice = pool.agent.on_notice
-    old.abandon()
-    log.info("pool %s: re-registered with the new daemon, %d pages moved", pool.name, len(pool._pages))
+        if core.resume_hook is not None:
+            core.resume_hook()
+    log.info("pool %s: re-registered with the new daemon, %d pages moved", core.name, len(core.segments.pages))
     return True
 
 
-def _move_pages(pool: KVPool, lease: Lease) -> None:
-    if pool.sleep_mode is not None:  # its warm copy died with the old daemon: wake empty
-        log.warning("pool %s: asleep when its daemon died; it wakes empty", pool.name)
-        pool.allocator = type(pool.allocator)(pool.num_virtual_pages, pool.page_bytes,
-                                              pool.spec.block_bytes)  # fmt: skip
-        pool.sleeping_allocator = None
-        pool.sleep_mode = None
-        pool.num_block_losses += 1
-        pool.awake.set()
-    lps = sorted(pool._pages)
-    granted = lease.grow(lps) if lps else {}
-    staging = pool.backend.reserve(pool.page_bytes)
+def _move_pages(core: PoolCore, lease: Lease) -> None:
+    """Grow the mapped logical pages from ``lease``, copy them over, switch leases (lock held)."""
+    lps = sorted(core.segments.pages)
+    granted = lease.grow(lps, wait_s=0) if lps else {}
+    staging = core.backend.reserve(core.page_bytes)
     try:
         for lp in lps:
-            pool._pages[lp] = _swap_in(pool, lp, granted[lp], staging)
+            core.segments.move(lp, granted[lp], staging)
     finally:
-        pool.backend.free_range(staging)
-    pool.backend.prune_imports()
-
-
-def _swap_in(pool: KVPool, lp: int, fresh: list[Any], staging: int) -> list[Any]:
-    import torch
-
-    offset = lp * pool.page_bytes
-    for base, old, new in zip(pool._bases, pool._pages[lp], fresh):
-        pool.backend.map_page(staging, new)
-        target = pool.backend.tensor(staging, pool.page_bytes, torch.uint8)
-        target.copy_(pool.backend.tensor(base + offset, pool.page_bytes, torch.uint8))
-        pool.backend.unmap(staging, pool.page_bytes)
-        pool.backend.unmap(base + offset, pool.page_bytes)
-        pool.backend.map_page(base + offset, new)
-        pool.backend.release_page(old)
-    return fresh
+        core.backend.free_range(staging)
+    core.backend.prune_imports()
+    old, core.lease = core.lease, lease
+    lease.on_notice = old.on_notice
+    old.abandon()
+    core.pending_return.clear()  # the new daemon never granted those
+    core.set_limit(lease.limit)
+    if core.state.asleep:
+        log.warning("pool %s: asleep when its daemon died; it wakes empty", core.name)
+        core.allocator = core.new_allocator()
+        core.sleeping_allocator = None
+        core.num_block_losses += 1
+    if core.state is not PoolState.ACTIVE:
+        core.cell.move(PoolState.ACTIVE)

@@ -1,17 +1,23 @@
-"""Sleep and wake of a ``KVPool``, run by its agent thread when the daemon asks.
+"""Sleep and wake of a pool, run by its agent thread when the daemon asks.
 
-Sleep: the engine's quiesce hook returns (its step is done, and it takes no
-other until the resume hook runs), then, holding the
-pool's lock, every page is unmapped from every segment while the handles are
-kept, and the daemon is told ``sleep_ready``. If the daemon refuses (the sleep
-timed out) the same pages are mapped back and nothing was lost. Otherwise the
-handles are released; a warm pool keeps its allocator aside (its block ids
-stay valid), a cold one drops it. While asleep the pool's allocator is empty,
-so ``alloc`` takes its slow path and raises ``Asleep`` (or wakes the pool, with
-``auto_wake``).
+Sleep (``sleep_pool``), in the order that keeps both sides agreeing:
 
-Wake: the daemon's grant is imported and mapped at the same logical pages
-(same addresses); a warm pool gets its allocator back, a cold one a fresh one.
+1. a pool without a quiesce hook cannot know that its user is not touching the
+   KV, so unless the pool's owner asked for the sleep itself it answers
+   ``sleep_ready(refused)`` and nothing changes;
+2. the engine's quiesce hook returns (its step is done, and it takes no other
+   until the resume hook runs);
+3. holding the pool's lock: every page is unmapped (handles kept), the state
+   is ``SLEEP_PENDING``, and the daemon is told ``sleep_ready``. The pool waits
+   for the daemon's decision as long as the daemon lives, however long a warm
+   save takes: a timeout is not a decision;
+4. accepted: the handles are released; a warm pool keeps its allocator aside
+   (block ids stay valid), a cold one drops it. Refused (the daemon cancelled the
+   sleep) or the daemon died: the same pages are mapped back, nothing lost.
+
+Wake (``wake_pool``): the daemon's grant is imported and mapped at the same
+logical pages (same addresses); a warm pool gets its allocator back, a cold one
+a fresh one.
 
 Cost: one unmap and one map per page and segment, one round trip each way.
 """
@@ -19,92 +25,73 @@ Cost: one unmap and one map per page and segment, one round trip each way.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
 
-from kvdaemon.client.allocator import BlockAllocator
-from kvdaemon.errors import KVDaemonError
-
-if TYPE_CHECKING:
-    from kvdaemon.client.pool import KVPool
+from kvdaemon.client.pool_core import PoolCore
+from kvdaemon.client.pool_state import PoolState
+from kvdaemon.errors import DaemonUnreachable, KVDaemonError
+from kvdaemon.wire.messages import SleepNotice, WakeNotice
 
 log = logging.getLogger("kvdaemon.client.pool")
 
 
-def sleep_pool(pool: KVPool, mode: str, sleep_id: int) -> None:
-    """Quiesce, unmap and hand the pages back for sleep ``sleep_id`` (see the module docstring).
-
-    ``pool.resume_hook`` runs once the pool is asleep locally, or awake again
-    after a refused sleep: the engine may take its next step (and finds out
-    which from ``pool.sleep_mode``).
-    """
-    if pool.quiesce_hook is not None:
-        pool.quiesce_hook()
+def sleep_pool(core: PoolCore, notice: SleepNotice) -> None:
+    """Answer the daemon's sleep ``notice`` (see the module docstring)."""
+    if core.quiesce_hook is None and not notice.by_owner:
+        log.warning("pool %s: cannot be put to sleep without a quiesce hook; refused", core.name)
+        core.lease.sleep_ready(notice.sleep_id, refused=True)
+        return
+    if core.quiesce_hook is not None:
+        core.quiesce_hook()
     try:
-        _sleep_quiesced(pool, mode, sleep_id)
+        _sleep_quiesced(core, notice)
     finally:
-        if pool.resume_hook is not None:
-            pool.resume_hook()
+        if core.resume_hook is not None:
+            core.resume_hook()
 
 
-def _sleep_quiesced(pool: KVPool, mode: str, sleep_id: int) -> None:
-    with pool.lock:
-        pages = dict(pool._pages)
-        allocator = pool.allocator
-        _unmap_keep(pool, pages)
-        # Asleep locally before the daemon answers anyone (a waiting caller, a wake).
-        pool._pages.clear()
-        pool.sleeping_allocator = allocator if mode == "warm" else None
-        pool.allocator = _empty_allocator(pool)
-        pool.sleep_mode = mode
-        if mode == "cold":
-            pool.num_block_losses += 1
-        pool.awake.clear()
+def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
+    with core.lock:
+        if core.state is not PoolState.ACTIVE:
+            core.lease.sleep_ready(notice.sleep_id, refused=True)
+            return
+        allocator = core.allocator
+        pages = core.segments.unmap_all()
+        core.allocator = core.new_allocator()
+        core.cell.move(PoolState.SLEEP_PENDING)
         try:
-            pool.lease.sleep_ready(sleep_id)
-        except KVDaemonError:
-            pool.allocator, pool.sleeping_allocator, pool.sleep_mode = allocator, None, None
-            pool.num_block_losses -= mode == "cold"
-            _remap(pool, pages)
-            pool.awake.set()
-            log.warning("pool %s: sleep %d refused; pages mapped back", pool.name, sleep_id)
+            core.lease.sleep_ready(notice.sleep_id)
+        except KVDaemonError as exc:
+            core.segments.map_all(pages)
+            core.allocator = allocator
+            gone = isinstance(exc, DaemonUnreachable)
+            core.cell.move(PoolState.DETACHED if gone else PoolState.ACTIVE)
+            log.warning("pool %s: sleep %d not done (%s); pages mapped back", core.name, notice.sleep_id, exc)
             return
         for lp_pages in pages.values():
-            for page in lp_pages:
-                pool.backend.release_page(page)
-    log.info("pool %s is asleep (%s)", pool.name, mode)
-
-
-def wake_pool(pool: KVPool, mode: str, grant_id: int, pages: list[list[Any]]) -> None:
-    """Map the daemon's wake grant at the same logical pages and resume."""
-    with pool.lock:
-        granted = pool.lease.receive_grant(grant_id, pages) if pages else {}
-        _remap(pool, granted)
-        if mode == "warm" and pool.sleeping_allocator is not None:
-            pool.allocator = pool.sleeping_allocator
+            core.segments.release(lp_pages)
+        if notice.mode == "warm":
+            core.sleeping_allocator = allocator
+            core.cell.move(PoolState.ASLEEP_WARM)
         else:
-            pool.allocator = _empty_allocator(pool)
+            core.num_block_losses += 1
+            core.cell.move(PoolState.ASLEEP_COLD)
+    log.info("pool %s is asleep (%s)", core.name, notice.mode)
+
+
+def wake_pool(core: PoolCore, notice: WakeNotice) -> None:
+    """Map the daemon's wake grant at the same logical pages and resume."""
+    with core.lock:
+        if not core.state.asleep:
+            log.warning("pool %s: a wake notice while %s; ignored", core.name, core.state.value)
+            return
+        granted = core.lease.receive_grant(notice.grant_id, notice.pages) if notice.pages else {}
+        core.segments.map_all(granted)
+        if core.state is PoolState.ASLEEP_WARM and core.sleeping_allocator is not None:
+            core.allocator = core.sleeping_allocator
+        else:
+            core.allocator = core.new_allocator()
             for lp in granted:
-                pool.allocator.add_page(lp)
-        pool.sleeping_allocator = None
-        pool.sleep_mode = None
-        pool.awake.set()
-    log.info("pool %s is awake (%s)", pool.name, mode)
-
-
-def _unmap_keep(pool: KVPool, pages: dict[int, list[Any]]) -> None:
-    for lp in pages:
-        offset = lp * pool.page_bytes
-        for base in pool._bases:
-            pool.backend.unmap(base + offset, pool.page_bytes)
-
-
-def _remap(pool: KVPool, pages: dict[int, list[Any]]) -> None:
-    for lp, lp_pages in pages.items():
-        offset = lp * pool.page_bytes
-        for base, page in zip(pool._bases, lp_pages):
-            pool.backend.map_page(base + offset, page)
-        pool._pages[lp] = lp_pages
-
-
-def _empty_allocator(pool: KVPool) -> BlockAllocator:
-    return BlockAllocator(pool.num_virtual_pages, pool.page_bytes, pool.spec.block_bytes)
+                core.allocator.add_page(lp)
+        core.sleeping_allocator = None
+        core.cell.move(PoolState.ACTIVE)
+    log.info("pool %s is awake (%s)", core.name, notice.mode)

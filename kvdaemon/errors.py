@@ -85,10 +85,26 @@ class DaemonUnreachable(KVDaemonError):
     code = "UNREACHABLE"
 
 
+class NoReply(DaemonUnreachable):
+    """A daemon holds its directory but did not answer this request in time.
+
+    Not a decision: the request may still be carried out (a sleep still
+    completes, a late grant is adopted or given back by the client).
+    """
+
+    code = "NO_REPLY"
+
+
 class PoolExhausted(KVDaemonError):
     """A KV pool cannot hand out the blocks asked for; nothing was allocated."""
 
     code = "POOL_EXHAUSTED"
+
+
+class PoolClosed(KVDaemonError):
+    """The pool (or client) was closed, or its lease revoked by the daemon; it serves nothing more."""
+
+    code = "POOL_CLOSED"
 
 
 class ConfigError(KVDaemonError):
@@ -135,6 +151,9 @@ _BY_CODE: dict[str, type[KVDaemonError]] = {
         StaleRevision,
         VersionMismatch,
         DaemonUnreachable,
+        NoReply,
+        PoolExhausted,
+        PoolClosed,
         ConfigError,
         LifecycleError,
         BackendError,

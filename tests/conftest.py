@@ -8,7 +8,7 @@ import sys
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +84,7 @@ def start_daemon(root: Path) -> subprocess.Popen[bytes]:
          "--backend", "host", "--capacity", "64MiB"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    wait_for(lambda: answers(root), 30, "the daemon did not start")
+    wait_until(lambda: answers(root), 30, "the daemon did not start")
     return proc
 
 
@@ -98,9 +98,16 @@ def answers(root: Path) -> bool:
     return True
 
 
-def wait_for(predicate: object, timeout_s: float, what: str) -> None:
-    """Poll ``predicate`` every 50 ms; AssertionError(``what``) after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+def wait_until(
+    predicate: Callable[[], object], timeout_s: float = 5.0, what: str = "condition not reached in time"
+) -> float:
+    """Poll ``predicate`` every 5 ms until it is true; return the seconds it took.
+
+    The one way tests wait for something another thread or process does:
+    AssertionError(``what``) after ``timeout_s``, never a fixed sleep.
+    """
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout_s, what
+        time.sleep(0.005)
+    return time.monotonic() - started

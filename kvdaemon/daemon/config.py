@@ -50,6 +50,12 @@ class DaemonConfig:
     idle_mode: str = "warm"
     reclaim_sleep: bool = True
     log_level: str = "INFO"
+    # Timing knobs of the daemon's exchanges (programmatic only: no flags, kept by
+    # ``to_argv`` at their defaults). Tests shorten them instead of patching a live daemon.
+    sleep_timeout_s: float = 10.0  # a tenant asked to sleep must quiesce within this
+    reclaim_wait_s: float = 2.0  # the longest a grow may wait for other tenants' pages
+    reclaim_escalate_s: float = 0.25  # then every victim is asked; at twice this one sleeps
+    attach_timeout_s: float = 10.0  # a registered tenant must attach its handle channel within this
 
     def __post_init__(self) -> None:
         _check_dir(self.dir)

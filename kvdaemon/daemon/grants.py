@@ -1,10 +1,14 @@
 """Grants: logical pages in and out of a tenant, with their fds on the handle channel.
 
-``grow`` checks everything first (state, lease, pages already held, free pages,
-the tenant's limit), then takes one physical page per segment for each logical
-page, exports them in frames of at most ``MAX_FDS_PER_FRAME`` pages and queues
-the frames to the tenant before the reply goes out. ``shrink`` gives pages back.
-Either succeeds whole or changes nothing.
+``grow`` asks for up to ``len(candidates)`` logical pages, at least
+``min_pages``: it checks everything first (state, lease, pages already held),
+then grants the first n candidates, where n is as many as the tenant's limit
+and the free pages allow, or raises (``OverLimit``/``NoMemory``, nothing
+changed) when that is fewer than ``min_pages``. A grant takes one physical page
+per segment for each logical page, exports them in frames of at most
+``MAX_FDS_PER_FRAME`` pages and queues the frames to the tenant before the
+reply goes out. ``shrink`` gives pages back. Each succeeds whole or changes
+nothing.
 
 Cost: O(pages) plus one backend create/export (grow) or release (shrink) per page.
 """
@@ -14,16 +18,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvdaemon.cuda_vmm.backend import PhysicalPage
+from kvdaemon.daemon.page_pool import Owner, PagePool
+from kvdaemon.daemon.ports import LeasePort, notify
+from kvdaemon.daemon.tenant import Tenant, TenantState
 from kvdaemon.errors import Asleep, BackendError, BadRequest, Conflict, NoMemory, OverLimit
 from kvdaemon.wire.handles import MAX_FDS_PER_FRAME
-from kvdaemon.daemon.page_pool import Owner, PagePool
-from kvdaemon.daemon.tenant import Tenant
-
-if TYPE_CHECKING:
-    from kvdaemon.daemon.service import LeasePort
+from kvdaemon.wire.messages import ReclaimNotice
 
 
 class Grants:
@@ -42,16 +45,16 @@ class Grants:
         self.on_shrink = on_shrink
         self._next_grant_id = 1
 
-    def grow(self, tenant: Tenant, wanted: list[int]) -> dict[str, Any]:
-        """Grant ``wanted`` logical pages: all of them, or raise with nothing changed."""
+    def grow(self, tenant: Tenant, candidates: list[int], min_pages: int, now: float) -> dict[str, Any]:
+        """Grant the first n of ``candidates``, ``min_pages <= n``, as many as fit; or raise."""
         started = time.perf_counter()
-        self._check_grow(tenant, wanted)
-        result = self.grant(tenant, wanted)
+        num_pages = self.num_grantable(tenant, candidates, min_pages)
+        result = self.grant(tenant, candidates[:num_pages], now)
         if self.on_grant is not None:
-            self.on_grant(time.perf_counter() - started, len(wanted) * tenant.spec.num_segments)
+            self.on_grant(time.perf_counter() - started, num_pages * tenant.spec.num_segments)
         return result
 
-    def grant(self, tenant: Tenant, wanted: list[int]) -> dict[str, Any]:
+    def grant(self, tenant: Tenant, wanted: list[int], now: float) -> dict[str, Any]:
         """Take pages for ``wanted`` and queue their fds to the tenant; no limit checks.
 
         Raises ``NoMemory`` (nothing taken) when the pool is short.
@@ -67,36 +70,47 @@ class Grants:
         nseg = tenant.spec.num_segments
         for i, lp in enumerate(wanted):
             tenant.logical[lp] = pages[i * nseg : (i + 1) * nseg]
-        tenant.touch()
+        tenant.touch(now)
+        tenant.note_mapped()
         for start, fds, fd_index in frames:
             chunk = page_ids[start : start + len(fd_index)]
             self.leases.send_grant(tenant.tenant_id, grant_id, chunk, fds, fd_index)
         return {
             "grant_id": grant_id,
             "pages": [[lp, page_ids[i * nseg : (i + 1) * nseg]] for i, lp in enumerate(wanted)],
+            "max_bytes": tenant.max_bytes,
         }
 
-    def _check_grow(self, tenant: Tenant, wanted: list[int]) -> None:
-        if tenant.state != "active":
-            raise Asleep(f"tenant {tenant.name!r} is {tenant.state}; wake it first")
+    def num_grantable(self, tenant: Tenant, candidates: list[int], min_pages: int) -> int:
+        """How many of ``candidates`` a grow may grant now, at least ``min_pages``; else raise.
+
+        ``OverLimit`` when the tenant's limit allows fewer than ``min_pages``,
+        ``NoMemory`` when the free pages do; ``Asleep``/``Conflict``/``BadRequest``
+        for a tenant that may not grow or pages it already holds.
+        """
+        if tenant.state is not TenantState.ACTIVE:
+            raise Asleep(f"tenant {tenant.name!r} is {tenant.state.value}; wake it first")
         if tenant.pending_sleep is not None:
             raise Asleep(f"tenant {tenant.name!r} is going to sleep")
         if not tenant.leased:
             raise Conflict(f"tenant {tenant.name!r} has not attached its handle channel")
-        held = [lp for lp in wanted if lp in tenant.logical]
+        held = [lp for lp in candidates if lp in tenant.logical]
         if held:
             raise BadRequest(f"logical pages {held[:8]} are already mapped")
-        new_bytes = tenant.mapped_bytes + len(wanted) * tenant.logical_page_bytes
-        if new_bytes > tenant.max_bytes:
+        by_limit = max(0, tenant.max_bytes - tenant.mapped_bytes) // tenant.logical_page_bytes
+        if by_limit < min_pages:
             raise OverLimit(
-                f"tenant {tenant.name!r} would hold {new_bytes} bytes, over its limit of "
+                f"tenant {tenant.name!r} holds {tenant.mapped_bytes} bytes; {min_pages} more "
+                f"logical page(s) of {tenant.logical_page_bytes} would pass its limit of "
                 f"{tenant.max_bytes}"
             )
-        if len(wanted) * tenant.spec.num_segments > self.pool.num_free:
+        by_free = self.pool.num_free // tenant.spec.num_segments
+        if by_free < min_pages:
             raise NoMemory(
-                f"{len(wanted)} logical pages need {len(wanted) * tenant.spec.num_segments} "
+                f"{min_pages} logical page(s) need {min_pages * tenant.spec.num_segments} "
                 f"pages, {self.pool.num_free} free"
             )
+        return min(len(candidates), by_limit, by_free)
 
     def _export(self, pages: list[PhysicalPage]) -> list[tuple[int, list[int], list[int]]]:
         """Export ``pages`` in frames of at most ``MAX_FDS_PER_FRAME`` pages.
@@ -117,7 +131,7 @@ class Grants:
             raise
         return frames
 
-    def shrink(self, tenant: Tenant, wanted: list[int]) -> dict[str, Any]:
+    def shrink(self, tenant: Tenant, wanted: list[int], now: float) -> dict[str, Any]:
         """Take back ``wanted`` logical pages (unmapped by the tenant); all or nothing."""
         missing = [lp for lp in wanted if lp not in tenant.logical]
         if missing:
@@ -125,7 +139,7 @@ class Grants:
         for lp in wanted:
             self.pool.free([p.page_id for p in tenant.logical[lp]])
             del tenant.logical[lp]
-        tenant.touch()
+        tenant.touch(now)
         if self.on_shrink is not None:
             self.on_shrink(len(wanted) * tenant.spec.num_segments)
         return {"num_released": len(wanted), "mapped_bytes": tenant.mapped_bytes}
@@ -144,7 +158,4 @@ class Grants:
         excess = tenant.mapped_bytes - tenant.max_bytes
         if excess > 0 and tenant.leased:
             num_pages = -(-excess // tenant.logical_page_bytes)
-            self.leases.send_notice(
-                tenant.tenant_id,
-                {"notice": "reclaim", "args": {"tenant": tenant.name, "num_pages": num_pages}},
-            )
+            notify(self.leases, tenant.tenant_id, ReclaimNotice(num_pages))

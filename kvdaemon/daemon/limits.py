@@ -26,7 +26,7 @@ MAX_WEIGHT = 1e6
 
 def apply_limit(tenant: Tenant, args: Args, capacity_bytes: int, others_min_bytes: int) -> dict[str, Any]:
     """Apply a ``set_limit`` request to ``tenant``; see the module docstring for revisions."""
-    old_max, old_min, old_weight = tenant.limit_values
+    old_max, old_min, old_weight = tenant.max_bytes, tenant.min_bytes, tenant.weight
     max_bytes = args.opt_int("max_bytes", 0, MAX_INT)
     min_bytes = args.opt_int("min_bytes", 0, MAX_INT)
     weight = args.opt_float("weight", 1e-6, MAX_WEIGHT)
@@ -45,7 +45,7 @@ def apply_limit(tenant: Tenant, args: Args, capacity_bytes: int, others_min_byte
             f"revision {revision} is older than {tenant.name!r}'s {tenant.limit_revision}"
         )
     if revision == tenant.limit_revision:
-        if values != tenant.limit_values:
+        if values != (old_max, old_min, old_weight):
             raise Conflict(f"revision {revision} was already applied with other values")
         return {"result": "applied", "revision": revision, "changed": False}
     if values[1] > values[0]:
@@ -55,7 +55,6 @@ def apply_limit(tenant: Tenant, args: Args, capacity_bytes: int, others_min_byte
             f"min_bytes {values[1]} does not fit next to {others_min_bytes} guaranteed"
         )
     tenant.max_bytes, tenant.min_bytes, tenant.weight = values
-    tenant.limit_values = values
     tenant.limit_revision = revision
     log.info("limits of %s now max=%d min=%d weight=%g (rev %d)", tenant.name, *values, revision)
     return {"result": "applied", "revision": revision, "changed": True}

@@ -9,7 +9,13 @@ Leases: a tenant's handle connection is its lease. When it reaches EOF (the
 engine exited or was killed), the tenant is removed and its pages freed in the
 same loop iteration, so they are back within one poll wake-up. A tenant that
 registers but never attaches its handle channel is dropped after
-``ATTACH_TIMEOUT_S``.
+``attach_timeout_s``.
+
+Stopping (``stop()``, SIGTERM, a ``shutdown`` op, or any exception escaping
+the loop) never releases a page a live tenant maps: tenants are told
+(``shutdown`` notice), their handle channels closed, and they keep serving
+from their mappings, exactly as after a SIGKILL of the daemon; a daemon started
+later on the same directory takes them back (see ``kvdaemon.client``).
 """
 
 from __future__ import annotations
@@ -23,15 +29,16 @@ import zmq
 
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.cuda_vmm import open_backend
-from kvdaemon.errors import BadRequest
+from kvdaemon.daemon.ports import notify
+from kvdaemon.errors import BadRequest, DaemonUnreachable
 from kvdaemon.daemon.lease_table import LeaseTable
 from kvdaemon.daemon.metrics import Metrics
 from kvdaemon.wire.paths import DaemonPaths
-from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, notice, reply_error
+from kvdaemon.wire.messages import ShutdownNotice
+from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, reply_error
 from kvdaemon.daemon.service import Service
 
 log = logging.getLogger("kvdaemon.daemon.server")
-ATTACH_TIMEOUT_S = 10.0
 POLL_MS = 100
 
 
@@ -50,8 +57,8 @@ class Daemon:
         self.leases = LeaseTable(self._poller, self._attach, self._end_lease)
         self._listener_fd = -1
         self._stopping = False
-        self.attach_timeout_s = ATTACH_TIMEOUT_S
-        self._next_expiry_check = 0.0
+        self._shutting_down = False  # leases closing now are not tenant deaths
+        self._next_tick = 0.0
 
     # -- setup -----------------------------------------------------------------
 
@@ -67,9 +74,9 @@ class Daemon:
             kind, num_pages=num_pages, page_size_bytes=cfg.page_size_bytes, device=cfg.device
         )
         self.service = Service(
-            backend, self.leases, on_grant=self._on_grant, on_shrink=self._on_shrink
+            backend, self.leases, cfg, sink=self._send_control, on_grant=self._on_grant,
+            on_shrink=self._on_shrink,
         )
-        self.service.reclaimer.sleep_victims = cfg.reclaim_sleep
         old_umask = os.umask(0o077)
         try:
             self._bind_control()
@@ -123,10 +130,9 @@ class Daemon:
                 if events.get(self._wake_r):
                     os.read(self._wake_r, 64)
                 self.leases.close_dead()
-                self._send_deferred()
-                if time.monotonic() >= self._next_expiry_check:
-                    self._next_expiry_check = time.monotonic() + POLL_MS / 1000
-                    self._expire_unattached()
+                if time.monotonic() >= self._next_tick:
+                    self._next_tick = time.monotonic() + POLL_MS / 1000
+                    self._tick()
         finally:
             self._shutdown()
 
@@ -148,14 +154,7 @@ class Daemon:
                 self._send_control(routing_id, reply)
             if self.service.reclaimer.parked:  # pages may have come back: serve waiting grows
                 with self.service.lock:
-                    self.service.reclaimer.retry(time.monotonic())
-            self._send_deferred()
-
-    def _send_deferred(self) -> None:
-        """Send the replies ops completed later (a sleep answered when the tenant quiesced)."""
-        assert self.service is not None
-        while self.service.replies:
-            self._send_control(*self.service.replies.pop(0))
+                    self.service.reclaimer.retry(self.service.clock())
 
     def _send_control(self, routing_id: bytes, payload: bytes) -> None:
         assert self._router is not None
@@ -173,8 +172,10 @@ class Daemon:
 
     def _end_lease(self, tenant_id: int, why: str, expired: bool) -> None:
         assert self.service is not None
+        if self._shutting_down:
+            return  # the tenant lives on and still maps its pages: keep them
         with self.service.lock:
-            tenant = self.service.by_id.get(tenant_id)
+            tenant = self.service.tenants.get(tenant_id)
             if tenant is None:
                 return
             log.info("lease of %s ended (%s)", tenant.name, why)
@@ -182,20 +183,13 @@ class Daemon:
         if expired and self.metrics is not None:
             self.metrics.count_lease_expiry()
 
-    def _expire_unattached(self) -> None:
+    def _tick(self) -> None:
+        """Periodic work: the service's timers, then handle connections that never attached."""
         assert self.service is not None
-        now = time.monotonic()
         with self.service.lock:
-            stale = [
-                t for t in self.service.tenants.values()
-                if not t.leased and now - t.registered_at > self.attach_timeout_s
-            ]
-            for tenant in stale:
-                log.info("tenant %s never attached its handle channel; dropped", tenant.name)
-                self.service.remove(tenant)
-            self.service.tick(now, self.config.idle_sleep_s, self.config.idle_mode)
-        self._send_deferred()
-        self.leases.expire(now, self.attach_timeout_s)
+            now = self.service.clock()
+            self.service.tick(now)
+        self.leases.expire(time.monotonic(), self.config.attach_timeout_s)
 
     # -- metrics ---------------------------------------------------------------
 
@@ -215,14 +209,17 @@ class Daemon:
     # -- teardown --------------------------------------------------------------
 
     def _shutdown(self) -> None:
+        """Tell tenants, close their leases, and let go of the backend without releasing
+        a page any tenant maps (the memory lives on in the tenants' imported handles)."""
         assert self.service is not None
-        log.info("kvdaemon shutting down")
-        for tenant in list(self.service.tenants.values()):
-            self._send_control(tenant.routing_id, notice("shutdown", {"tenant": tenant.name}))
-        self.leases.close_all()
+        log.info("kvdaemon shutting down; %d tenant(s) keep their pages", len(self.service.tenants))
+        self._shutting_down = True
         with self.service.lock:
-            for tenant in list(self.service.tenants.values()):
-                self.service.remove(tenant)
+            self.service.reclaimer.cancel_all(DaemonUnreachable("the daemon is stopping"))
+            for tenant in self.service.tenants:
+                self.service.sleeper.forget(tenant)  # a warm copy dies with the daemon
+                notify(self.leases, tenant.tenant_id, ShutdownNotice())
+        self.leases.close_all()
         self.service.sleeper.buffers.clear()  # unpinning needs the backend still open
         self.service.backend.close()
         if self.metrics is not None:

@@ -1,11 +1,21 @@
 """The daemon's ops: tenants, grants and limits over one page pool, without sockets.
 
 ``Service.dispatch`` is the one place a request becomes a reply: it decodes,
-finds the op, runs it, and maps every ``KVDaemonError`` to its wire code. Each
-op validates all its fields before it changes anything, so a refused request
-leaves the state as it was. The server drives the service from a single
-thread; nothing here locks, except ``lock``, which the metrics thread takes to
-read a consistent snapshot.
+finds the op, runs it, and maps every ``KVDaemonError`` to its wire code; any
+other exception is a bug of one request: it is logged with its traceback and
+answered ``INTERNAL``, and the daemon goes on. Each op validates all its
+fields before it changes anything, so a refused request leaves the state as it
+was. An op that answers later returns a ``PendingReply`` (``call.defer()``),
+completed through the reply sink the server gave.
+
+Authentication: tenant ops carry the token the tenant got at registration;
+admin ops (limits, sleeping or waking another tenant, shutdown) are open to
+whoever can reach the control socket, which only the daemon's uid can (the
+directory is 0700, the socket 0600).
+
+The server drives the service from a single thread; nothing here locks, except
+``lock``, which the metrics thread takes to read a consistent snapshot. The
+clock is injected (``clock``), so tests drive time.
 
 Cost: ``grow``/``shrink`` are O(pages) plus one backend call per page;
 ``status`` is O(tenants).
@@ -17,40 +27,29 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from kvdaemon import __version__
 from kvdaemon.cuda_vmm.backend import Backend
-from kvdaemon.errors import (
-    BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, UnknownOp, UnknownTenant,
-    VersionMismatch,
-)
+from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.limits import MAX_WEIGHT, apply_limit
 from kvdaemon.daemon.page_pool import Owner, PagePool
+from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reclaim import Reclaimer
-from kvdaemon.daemon.sleep import DEFERRED, Sleeper
+from kvdaemon.daemon.reply import Call, PendingReply, ReplySink
+from kvdaemon.daemon.sleep import Sleeper
+from kvdaemon.daemon.tenant import Tenant, Tenants, WireSpec, check_name
+from kvdaemon.errors import (
+    BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
+)
+from kvdaemon.wire.messages import SLEEP_MODES, LimitNotice
 from kvdaemon.wire.protocol import MAX_INT, PROTOCOL_VERSION, Args, decode, reply_error, reply_ok
-from kvdaemon.daemon.tenant import Tenant, WireSpec, check_name
 
-log = logging.getLogger("kvdaemon.daemon.service")
-
-
-class LeasePort(Protocol):
-    """What the service needs from the server's handle channel."""
-
-    def send_grant(
-        self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int],
-        fd_index: list[int],
-    ) -> None:
-        """Queue one frame of a grant to the tenant (takes ownership of the fds)."""
-
-    def drop_lease(self, tenant_id: int) -> None:
-        """Close the tenant's handle connection, if any."""
-
-    def send_notice(self, tenant_id: int, body: dict[str, Any]) -> None:
-        """Queue a notice (e.g. ``reclaim``) to the tenant over its handle connection."""
+log = logging.getLogger("kvdaemon.service")
+Clock = Callable[[], float]
 
 
 class Service:
@@ -60,23 +59,31 @@ class Service:
         self,
         backend: Backend,
         leases: LeasePort,
+        config: DaemonConfig | None = None,
+        *,
+        sink: ReplySink = lambda _rid, _payload: None,
+        clock: Clock = time.monotonic,
         on_grant: Callable[[float, int], None] | None = None,
         on_shrink: Callable[[int], None] | None = None,
     ) -> None:
+        self.config = config if config is not None else DaemonConfig()
         self.backend = backend
         self.pool = PagePool(backend)
         self.leases = leases
+        self.sink = sink
+        self.clock = clock
         self.lock = threading.Lock()
-        self.tenants: dict[str, Tenant] = {}
-        self.by_id: dict[int, Tenant] = {}
+        self.tenants = Tenants()
         self.shutdown_requested = False
-        self._next_tenant_id = 1
+        self.started_at = clock()
         self.grants = Grants(self.pool, leases, on_grant, on_shrink)
-        self.sleeper = Sleeper(self)
-        self.reclaimer = Reclaimer(self)
-        self.replies: list[tuple[bytes, bytes]] = []  # deferred replies: (routing id, payload)
-        self.current: tuple[bytes, int | None] = (b"", None)  # the request being served
-        self._ops: dict[str, Callable[[Args, bytes], Any]] = {
+        self.sleeper = Sleeper(self.tenants, self.grants, backend, leases, self.config.sleep_timeout_s)
+        self.reclaimer = Reclaimer(
+            self.tenants, self.pool, self.grants, leases, self.sleeper,
+            wait_s=self.config.reclaim_wait_s, escalate_s=self.config.reclaim_escalate_s,
+            sleep_victims=self.config.reclaim_sleep,
+        )
+        self._ops: dict[str, Callable[[Args, Call], Any]] = {
             "hello": self.op_hello, "register": self.op_register, "grow": self.op_grow,
             "shrink": self.op_shrink, "heartbeat": self.op_heartbeat,
             "unregister": self.op_unregister, "status": self.op_status,
@@ -87,10 +94,10 @@ class Service:
     # -- dispatch --------------------------------------------------------------
 
     def dispatch(self, routing_id: bytes, raw: bytes) -> bytes | None:
-        """Turn one raw request into one raw reply. Never raises for bad input.
+        """Turn one raw request into one raw reply. Never raises.
 
-        Returns ``None`` when the op answers later (``DEFERRED``): its reply then
-        appears in ``replies`` for the server to send.
+        Returns ``None`` when the op answers later: its ``PendingReply`` goes
+        through the sink.
         """
         request_id: int | None = None
         try:
@@ -104,37 +111,33 @@ class Service:
             if handler is None:
                 raise UnknownOp(f"unknown op {op[:64]!r}")
             with self.lock:
-                self.current = (routing_id, request_id)
-                result = handler(Args(message.get("args")), routing_id)
-            return None if result is DEFERRED else reply_ok(request_id, result)
+                result = handler(Args(message.get("args")), Call(routing_id, request_id, self.sink))
+            return None if isinstance(result, PendingReply) else reply_ok(request_id, result)
         except KVDaemonError as exc:
             return reply_error(request_id, exc)
-        except (KeyError, ValueError, TypeError, AttributeError, AssertionError, OSError) as exc:
+        except Exception as exc:  # one failing request must not end the daemon
             log.exception("internal error serving a request")
             return reply_error(request_id, KVDaemonError(f"internal error: {exc!r}"))
 
-    # -- tenant lookup ---------------------------------------------------------
+    # -- authentication --------------------------------------------------------
 
-    def _tenant(self, args: Args) -> Tenant:
-        name = args.str("tenant")
-        tenant = self.tenants.get(name)
-        if tenant is None:
-            raise UnknownTenant(f"no tenant named {name!r}")
-        token = args.str("token", 128)
-        if not _same_token(token, tenant.token):
-            raise Forbidden(f"wrong token for tenant {name!r}")
+    def _authenticated(self, args: Args) -> Tenant:
+        """The tenant named ``tenant``, whose ``token`` the request must carry (tenant ops)."""
+        tenant = self.tenants.named(args.str("tenant"))
+        if not _same_token(args.str("token", 128), tenant.token):
+            raise Forbidden(f"wrong token for tenant {tenant.name!r}")
         return tenant
 
-    def _named(self, args: Args) -> Tenant:
-        name = args.str("name")
-        tenant = self.tenants.get(name)
-        if tenant is None:
-            raise UnknownTenant(f"no tenant named {name!r}")
+    def _by_name(self, args: Args) -> Tenant:
+        """The tenant named ``name`` (admin ops); with a ``token``, it must be that tenant's own."""
+        tenant = self.tenants.named(args.str("name"))
+        if args.has("token") and not _same_token(args.str("token", 128), tenant.token):
+            raise Forbidden(f"wrong token for tenant {tenant.name!r}")
         return tenant
 
     # -- ops -------------------------------------------------------------------
 
-    def op_hello(self, args: Args, _rid: bytes) -> dict[str, Any]:
+    def op_hello(self, args: Args, _call: Call) -> dict[str, Any]:
         version = args.int("version", 0, 1 << 16)
         if version != PROTOCOL_VERSION:
             raise VersionMismatch(
@@ -146,7 +149,7 @@ class Service:
             "page_size": self.pool.page_size_bytes, "capacity_bytes": self.pool.capacity_bytes,
         }
 
-    def op_register(self, args: Args, routing_id: bytes) -> dict[str, Any]:
+    def op_register(self, args: Args, call: Call) -> dict[str, Any]:
         name = check_name(args.str("name"))
         spec = WireSpec.parse(args.map("spec"))
         capacity = self.pool.capacity_bytes
@@ -156,96 +159,102 @@ class Service:
         min_bytes = args.int("min_bytes", 0, MAX_INT, default=0)
         weight = args.float("weight", 1e-6, MAX_WEIGHT, default=1.0)
         pid = args.int("pid", 0, 1 << 31, default=0)
+        sleepable = args.bool("sleepable")
         if min_bytes > max_bytes:
             raise BadRequest(f"min_bytes {min_bytes} exceeds max_bytes {max_bytes}")
         if name in self.tenants:
             raise Conflict(f"a tenant named {name!r} is already registered")
-        guaranteed = sum(t.min_bytes for t in self.tenants.values())
+        guaranteed = self.tenants.guaranteed_bytes()
         if guaranteed + min_bytes > capacity:
             raise NoMemory(
                 f"min_bytes {min_bytes} does not fit: {guaranteed} of {capacity} already guaranteed"
             )
         tenant = Tenant(
-            tenant_id=self._next_tenant_id, name=name, token=secrets.token_hex(16), pid=pid,
+            tenant_id=self.tenants.next_id(), name=name, token=secrets.token_hex(16), pid=pid,
             spec=spec, page_size_bytes=self.pool.page_size_bytes,
             num_virtual_pages=num_virtual_pages, max_bytes=max_bytes, min_bytes=min_bytes,
-            weight=weight, routing_id=routing_id,
+            weight=weight, registered_at=self.clock(), sleepable=sleepable,
         )
-        tenant.limit_values = (max_bytes, min_bytes, weight)
-        self._next_tenant_id += 1
-        self.tenants[name] = tenant
-        self.by_id[tenant.tenant_id] = tenant
-        log.info("registered tenant %s (id %d, pid %d)", name, tenant.tenant_id, pid)
+        self.tenants.add(tenant)
+        log.info("registered tenant %s (id %d, pid %d, %d segments, limit %d bytes)",
+                 name, tenant.tenant_id, pid, spec.num_segments, max_bytes)  # fmt: skip
         return {
             "tenant_id": tenant.tenant_id, "token": tenant.token,
             "page_size": self.pool.page_size_bytes, "num_segments": spec.num_segments,
-            "backend": self.backend.name, "max_bytes": max_bytes,
+            "backend": self.backend.name, "max_bytes": max_bytes, "limit": tenant.limits(),
         }
 
-    def op_grow(self, args: Args, _rid: bytes) -> dict[str, Any]:
-        tenant = self._tenant(args)
-        wanted = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1)
+    def op_grow(self, args: Args, call: Call) -> dict[str, Any] | PendingReply:
+        tenant = self._authenticated(args)
+        candidates = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1)
+        if not candidates:
+            raise BadRequest("field 'logical_pages' is empty")
+        min_pages = args.int("min_pages", 1, len(candidates), default=len(candidates))
         wait_s = args.float("wait_s", 0.0, self.reclaimer.wait_s, default=self.reclaimer.wait_s)
+        now = self.clock()
         try:
-            return self.grants.grow(tenant, wanted)
+            return self.grants.grow(tenant, candidates, min_pages, now)
+        except OverLimit:
+            tenant.num_refused_grows += 1
+            raise
         except NoMemory:
-            if self.reclaimer.park(tenant, wanted, self.current, wait_s):
-                return DEFERRED  # answered by ``tick`` once pages come back, or NO_MEMORY
+            waiter = call.defer()
+            if self.reclaimer.park(tenant, candidates, min_pages, waiter, wait_s, now):
+                return waiter  # answered by ``tick`` once pages come back, or NO_MEMORY
+            tenant.num_refused_grows += 1
             raise
 
-    def op_shrink(self, args: Args, _rid: bytes) -> dict[str, Any]:
-        tenant = self._tenant(args)
+    def op_shrink(self, args: Args, _call: Call) -> dict[str, Any]:
+        tenant = self._authenticated(args)
         wanted = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1)
-        return self.grants.shrink(tenant, wanted)
+        return self.grants.shrink(tenant, wanted, self.clock())
 
-    def op_heartbeat(self, args: Args, _rid: bytes) -> dict[str, Any]:
-        tenant = self._tenant(args)
+    def op_heartbeat(self, args: Args, _call: Call) -> dict[str, Any]:
+        tenant = self._authenticated(args)
         used = args.opt_int("used_bytes", 0, MAX_INT)
         if used is not None and used != tenant.used_bytes:
             tenant.used_bytes = used
-            tenant.touch()
-        return {"state": tenant.state, "max_bytes": tenant.max_bytes}
+            tenant.touch(self.clock())
+        if args.has("sleepable"):
+            tenant.sleepable = args.bool("sleepable")
+        return {"state": tenant.state.value, "max_bytes": tenant.max_bytes,
+                "free_bytes": self.pool.free_bytes}  # fmt: skip
 
-    def op_unregister(self, args: Args, _rid: bytes) -> dict[str, Any]:
-        tenant = self._tenant(args)
+    def op_unregister(self, args: Args, _call: Call) -> dict[str, Any]:
+        tenant = self._authenticated(args)
         num_pages = self.remove(tenant)
         self.leases.drop_lease(tenant.tenant_id)
         return {"num_released": num_pages}
 
-    def op_status(self, _args: Args, _rid: bytes) -> dict[str, Any]:
+    def op_status(self, _args: Args, _call: Call) -> dict[str, Any]:
         return self.status()
 
-    def op_set_limit(self, args: Args, _rid: bytes) -> dict[str, Any]:
-        tenant = self._named(args)
-        others = sum(t.min_bytes for t in self.tenants.values() if t is not tenant)
+    def op_set_limit(self, args: Args, _call: Call) -> dict[str, Any]:
+        tenant = self._by_name(args)
+        others = self.tenants.guaranteed_bytes(other_than=tenant)
         result = apply_limit(tenant, args, self.pool.capacity_bytes, others)
         if result["changed"]:
+            notify(self.leases, tenant.tenant_id, LimitNotice(**tenant.limits()))
             self.grants.ask_back_excess(tenant)
         return result
 
-    def _named_or_own(self, args: Args) -> Tenant:
-        """The tenant named by ``name``; with a ``token`` it must be that tenant's own."""
-        tenant = self._named(args)
-        if args.has("token") and not _same_token(args.str("token", 128), tenant.token):
-            raise Forbidden(f"wrong token for tenant {tenant.name!r}")
-        return tenant
-
-    def op_sleep(self, args: Args, _rid: bytes) -> Any:
-        tenant = self._named_or_own(args)
+    def op_sleep(self, args: Args, call: Call) -> dict[str, Any] | PendingReply:
+        tenant = self._by_name(args)
         mode = args.str("mode", 8) if args.has("mode") else "warm"
-        if mode not in ("warm", "cold"):
+        if mode not in SLEEP_MODES:
             raise BadRequest(f"sleep mode must be 'warm' or 'cold', got {mode!r}")
-        self.sleeper.begin(tenant, mode, self.current)
-        return DEFERRED
+        waiter = call.defer()
+        done = self.sleeper.begin(tenant, mode, waiter, self.clock(), by_owner=args.has("token"))
+        return waiter if done is None else done
 
-    def op_sleep_ready(self, args: Args, _rid: bytes) -> dict[str, Any]:
-        tenant = self._tenant(args)
-        return self.sleeper.finish(tenant, args.int("sleep_id", 1))
+    def op_sleep_ready(self, args: Args, _call: Call) -> dict[str, Any]:
+        tenant = self._authenticated(args)
+        return self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"))
 
-    def op_wake(self, args: Args, _rid: bytes) -> dict[str, Any]:
-        return self.sleeper.wake(self._named_or_own(args))
+    def op_wake(self, args: Args, _call: Call) -> dict[str, Any]:
+        return self.sleeper.wake(self._by_name(args), self.clock())
 
-    def op_shutdown(self, _args: Args, _rid: bytes) -> dict[str, Any]:
+    def op_shutdown(self, _args: Args, _call: Call) -> dict[str, Any]:
         self.shutdown_requested = True
         return {}
 
@@ -253,9 +262,7 @@ class Service:
 
     def attach(self, name: str, token: str, pid: int) -> Tenant:
         """Bind a handle connection from ``pid`` to a tenant as its lease."""
-        tenant = self.tenants.get(name)
-        if tenant is None:
-            raise UnknownTenant(f"no tenant named {name!r}")
+        tenant = self.tenants.named(name)
         if not _same_token(token, tenant.token):
             raise Forbidden(f"wrong token for tenant {name!r}")
         if tenant.leased:
@@ -265,26 +272,39 @@ class Service:
         return tenant
 
     def remove(self, tenant: Tenant) -> int:
-        """Forget ``tenant`` and free every page it holds; return the pages freed."""
+        """Forget ``tenant`` and free every page it holds; return the pages freed.
+
+        Only for a tenant that no longer maps them: it unregistered, or its
+        process is gone (its lease closed).
+        """
         num_pages = self.grants.release_all(tenant)
         self.sleeper.forget(tenant)
-        del self.tenants[tenant.name]
-        del self.by_id[tenant.tenant_id]
+        self.tenants.remove(tenant)
         log.info("removed tenant %s, %d pages back", tenant.name, num_pages)
         return num_pages
 
-    def tick(self, now: float, idle_sleep_s: float | None = None, idle_mode: str = "warm") -> None:
-        """Time-driven work: cancel stale sleeps, serve parked grows, the idle policy."""
+    def tick(self, now: float) -> None:
+        """Time-driven work: drop tenants that never attached, cancel stale sleeps,
+        serve parked grows, the idle policy."""
+        for tenant in self.tenants:
+            if not tenant.leased and now - tenant.registered_at > self.config.attach_timeout_s:
+                log.info("tenant %s never attached its handle channel; dropped", tenant.name)
+                self.remove(tenant)
         self.sleeper.expire(now)
         self.reclaimer.retry(now)
-        if idle_sleep_s is not None:
-            self.sleeper.sleep_idle(now, idle_sleep_s, idle_mode)
+        if self.config.idle_sleep_s is not None:
+            self.sleeper.sleep_idle(now, self.config.idle_sleep_s, self.config.idle_mode)
 
     def status(self) -> dict[str, Any]:
-        """The object of ``status --json`` (DESIGN.md §13), plus host bytes and counters."""
-        tenants = [t.status() for t in self.tenants.values()]
+        """The object of ``status --json`` (DESIGN.md §13), plus daemon and detail fields."""
+        now = self.clock()
+        tenants = [t.status(now) for t in self.tenants]
         return {
             "backend": self.backend.name,
+            "device": self.backend.device,
+            "pid": os.getpid(),
+            "version": __version__,
+            "uptime_seconds": round(now - self.started_at, 3),
             "page_size": self.pool.page_size_bytes,
             "capacity_bytes": self.pool.capacity_bytes,
             "free_bytes": self.pool.free_bytes,
@@ -297,7 +317,7 @@ class Service:
         """Assert DESIGN.md §4 invariants 1-3 over the pool and every tenant."""
         self.pool.check()
         mapped = 0
-        for tenant in self.tenants.values():
+        for tenant in self.tenants:
             for lp, pages in tenant.logical.items():
                 assert len(pages) == tenant.spec.num_segments
                 for seg, page in enumerate(pages):

@@ -1,31 +1,57 @@
-"""A tenant as the daemon sees it: one registered engine instance.
+"""A tenant as the daemon sees it (one registered engine instance), and the table of them.
 
 A tenant holds *logical pages*: logical page p is the p-th page-sized slice of
 every one of its ``num_segments`` segments, so holding it means holding
 ``num_segments`` physical pages. ``mapped_bytes`` is therefore
 ``len(logical) * num_segments * page_size_bytes``.
+
+States (``TenantState``): ``active`` (may hold pages and grow),
+``sleeping-warm`` (no pages; its bytes kept in host memory), ``sleeping-cold``
+(no pages, nothing kept). A sleep asked but not yet quiesced is
+``pending_sleep`` on an active tenant.
+
+Nothing here reads a clock: times are passed in by the service, so tests drive
+them. Mutated only by the service loop.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvdaemon.cuda_vmm.backend import PhysicalPage
-from kvdaemon.errors import BadRequest
+from kvdaemon.errors import BadRequest, UnknownTenant
 from kvdaemon.wire.dtypes import DTYPE_BYTES
 from kvdaemon.wire.protocol import Args
 
 if TYPE_CHECKING:
-    from kvdaemon.daemon.sleep import PendingSleep
+    from kvdaemon.daemon.reply import PendingReply
     from kvdaemon.daemon.swap import WarmCopy
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 MAX_SEGMENTS = 4096
-STATES = ("active", "sleeping-warm", "sleeping-cold")
+
+
+class TenantState(str, enum.Enum):
+    """A tenant's state as ``status`` shows it (the value is the wire and CLI spelling)."""
+
+    ACTIVE = "active"
+    SLEEPING_WARM = "sleeping-warm"
+    SLEEPING_COLD = "sleeping-cold"
+
+    @classmethod
+    def sleeping(cls, mode: str) -> TenantState:
+        """The state of a tenant asleep in ``mode`` (``warm`` or ``cold``)."""
+        return cls.SLEEPING_WARM if mode == "warm" else cls.SLEEPING_COLD
+
+    @property
+    def mode(self) -> str | None:
+        """``warm``/``cold`` for a sleeper, ``None`` when active."""
+        return {TenantState.SLEEPING_WARM: "warm", TenantState.SLEEPING_COLD: "cold"}.get(self)
 
 
 @dataclass(frozen=True)
@@ -55,13 +81,6 @@ class WireSpec:
             num_segments=num_segments,
         )
 
-    def to_wire(self) -> dict[str, object]:
-        return {
-            "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "block_size": self.block_size, "dtype": self.dtype,
-            "num_segments": self.num_segments,
-        }
-
 
 def check_name(name: str) -> str:
     if not NAME_PATTERN.fullmatch(name):
@@ -73,8 +92,18 @@ def check_name(name: str) -> str:
 
 
 @dataclass
+class PendingSleep:
+    """A sleep asked of a tenant that has not quiesced yet."""
+
+    sleep_id: int
+    mode: str
+    waiter: PendingReply | None  # the caller's reply; None for the daemon's own sleeps
+    deadline: float
+
+
+@dataclass
 class Tenant:
-    """Daemon-side record of one tenant. Mutated only by the service loop."""
+    """Daemon-side record of one tenant (see the module docstring)."""
 
     tenant_id: int
     name: str
@@ -86,17 +115,24 @@ class Tenant:
     max_bytes: int
     min_bytes: int
     weight: float
-    routing_id: bytes = b""
-    state: str = "active"
+    registered_at: float  # the service's clock when it registered
+    sleepable: bool = False  # its engine can be quiesced: the daemon may sleep it on its own
+    state: TenantState = TenantState.ACTIVE
     logical: dict[int, list[PhysicalPage]] = field(default_factory=dict)
     used_bytes: int = 0
     limit_revision: int = 0
-    limit_values: tuple[int, int, float] = (0, 0, 1.0)
-    last_active: float = field(default_factory=time.monotonic)
-    registered_at: float = field(default_factory=time.monotonic)
     leased: bool = False
     warm: WarmCopy | None = None  # the page bytes of a warm sleeper
     pending_sleep: PendingSleep | None = None  # asked to sleep, not yet quiesced
+    last_sleep: tuple[int, dict[str, Any]] | None = None  # (sleep_id, result): replayed on retry
+    registered_wall: float = field(default_factory=time.time)
+    last_active: float = 0.0
+    peak_mapped_bytes: int = 0
+    num_refused_grows: int = 0
+    num_sleeps: int = 0
+
+    def __post_init__(self) -> None:
+        self.last_active = self.registered_at
 
     @property
     def logical_page_bytes(self) -> int:
@@ -107,22 +143,86 @@ class Tenant:
     def mapped_bytes(self) -> int:
         return len(self.logical) * self.logical_page_bytes
 
-    def touch(self) -> None:
-        self.last_active = time.monotonic()
+    @property
+    def reclaimable_pages(self) -> int:
+        """Physical pages it could give back above ``min_bytes``; logical page 0 stays (pinned)."""
+        keep = max(self.min_bytes, self.logical_page_bytes if 0 in self.logical else 0)
+        return max(0, self.mapped_bytes - keep) // self.page_size_bytes
 
-    def status(self) -> dict[str, object]:
-        """The tenant's row of ``status --json`` (DESIGN.md §13)."""
+    def touch(self, now: float) -> None:
+        self.last_active = now
+
+    def note_mapped(self) -> None:
+        self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
+
+    def limits(self) -> dict[str, Any]:
+        """The ``limit`` map of ``register``'s reply and of a ``limit`` notice."""
+        return {"max_bytes": self.max_bytes, "min_bytes": self.min_bytes, "weight": self.weight,
+                "revision": self.limit_revision}  # fmt: skip
+
+    def status(self, now: float) -> dict[str, object]:
+        """The tenant's row of ``status --json`` (DESIGN.md §13, plus detail fields)."""
         return {
             "name": self.name,
             "pid": self.pid,
-            "state": self.state,
+            "state": self.state.value,
             "mapped_bytes": self.mapped_bytes,
             "used_bytes": self.used_bytes,
             "max_bytes": self.max_bytes,
             "min_bytes": self.min_bytes,
             "weight": self.weight,
-            "idle_seconds": round(time.monotonic() - self.last_active, 3),
+            "idle_seconds": round(now - self.last_active, 3),
             "host_bytes": 0 if self.warm is None else self.warm.host_bytes,
             "num_segments": self.spec.num_segments,
             "limit_revision": self.limit_revision,
+            "registered_at": round(self.registered_wall, 3),
+            "peak_mapped_bytes": self.peak_mapped_bytes,
+            "refused_grows": self.num_refused_grows,
+            "sleeps": self.num_sleeps,
+            "over_limit_bytes": max(0, self.mapped_bytes - self.max_bytes),
+            "sleepable": self.sleepable,
         }
+
+
+class Tenants:
+    """The registered tenants, by name and by id. O(1) lookups."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Tenant] = {}
+        self._by_id: dict[int, Tenant] = {}
+        self._next_id = 1
+
+    def __iter__(self) -> Iterator[Tenant]:
+        return iter(list(self._by_name.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def next_id(self) -> int:
+        tenant_id, self._next_id = self._next_id, self._next_id + 1
+        return tenant_id
+
+    def add(self, tenant: Tenant) -> None:
+        self._by_name[tenant.name] = tenant
+        self._by_id[tenant.tenant_id] = tenant
+
+    def remove(self, tenant: Tenant) -> None:
+        del self._by_name[tenant.name]
+        del self._by_id[tenant.tenant_id]
+
+    def named(self, name: str) -> Tenant:
+        """The tenant called ``name``; ``UnknownTenant`` when none is."""
+        tenant = self._by_name.get(name)
+        if tenant is None:
+            raise UnknownTenant(f"no tenant named {name!r}")
+        return tenant
+
+    def get(self, tenant_id: int) -> Tenant | None:
+        return self._by_id.get(tenant_id)
+
+    def guaranteed_bytes(self, other_than: Tenant | None = None) -> int:
+        """The sum of ``min_bytes`` over tenants other than ``other_than``."""
+        return sum(t.min_bytes for t in self._by_name.values() if t is not other_than)

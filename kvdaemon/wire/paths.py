@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvdaemon.errors import Forbidden
 
 
 def default_dir() -> Path:
@@ -45,3 +48,27 @@ class DaemonPaths:
 
     def sockets(self) -> list[Path]:
         return [self.control_socket, self.handle_socket]
+
+
+def check_private_dir(root: Path) -> None:
+    """Raise ``Forbidden`` unless ``root`` is a real directory (not a symlink) owned by
+    this process's uid with no access for group or others.
+
+    What a client checks before it speaks to a daemon: only its own uid can
+    have put sockets there. Costs one ``lstat``.
+    """
+    try:
+        info = os.lstat(root)
+    except FileNotFoundError:
+        return  # nothing there: connecting fails as unreachable
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise Forbidden(f"{root} is not a directory (a symlink or a file): refusing to use it")
+    if info.st_uid != os.getuid():
+        raise Forbidden(
+            f"{root} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}): "
+            "refusing to talk to a daemon another user runs"
+        )
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise Forbidden(
+            f"{root} has mode {stat.S_IMODE(info.st_mode):04o}; a daemon directory must be 0700"
+        )

@@ -100,6 +100,16 @@ class Args:
     def has(self, key: str) -> bool:
         return self._raw.get(key) is not None
 
+    def raw(self, key: str, default: object = None) -> object:
+        """The field as decoded, unchecked (the caller validates it)."""
+        return self._raw.get(key, default)
+
+    def bool(self, key: str, default: bool = False) -> bool:
+        value = self._raw.get(key, default)
+        if not isinstance(value, bool):
+            raise BadRequest(f"field {key!r} must be true or false, got {_kind(value)}")
+        return value
+
     def int(self, key: str, lo: int = 0, hi: int = MAX_INT, default: int | None = None) -> int:
         value = self._raw.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int):

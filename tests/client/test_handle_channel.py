@@ -24,7 +24,7 @@ from kvdaemon.client import KVClient
 from kvdaemon.wire.handles import recv_frame
 from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, decode, encode, request
 
-from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, small_spec
+from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, small_spec, wait_until
 
 IO_TIMEOUT_S = 2.0
 SEGMENTS = small_spec().num_segments
@@ -57,23 +57,14 @@ def describe_fds(fds: set[int]) -> list[str]:
     return described
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float = IO_TIMEOUT_S) -> float:
-    """Poll ``condition`` until it holds; return the seconds it took."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout_s, "condition did not hold in time"
-        time.sleep(0.002)
-    return time.monotonic() - started
-
-
 @pytest.fixture
-def kvd() -> Iterator[RunningDaemon]:
+def kvd(request: pytest.FixtureRequest) -> Iterator[RunningDaemon]:
     """A daemon that has closed, by the end of the test, every fd opened during it.
 
     Fds other tests left to the garbage collector may close meanwhile; only new
-    ones count.
+    ones count. ``indirect`` parametrization passes config fields.
     """
-    with running_daemon() as running:
+    with running_daemon(**getattr(request, "param", {})) as running:
         assert_daemon_serves(running)  # warm up: the first client opens lasting fds
         baseline = open_fds()
         yield running
@@ -320,10 +311,10 @@ def test_an_extra_frame_on_an_attached_channel_ends_the_lease(
     assert_daemon_serves(kvd)
 
 
+@pytest.mark.parametrize("kvd", [{"attach_timeout_s": 0.3}], indirect=True)
 def test_unattached_tenant_and_silent_peer_are_dropped_after_the_attach_timeout(
     kvd: RunningDaemon, client: KVClient
 ) -> None:
-    kvd.daemon.attach_timeout_s = 0.3
     with closing(connect(kvd)) as silent:
         token = register(client, "late")
         elapsed = wait_until(lambda: "late" not in rows(client.status()))

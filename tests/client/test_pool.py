@@ -12,7 +12,7 @@ import torch
 from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted
 from kvdaemon.errors import BadRequest
 
-from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon
+from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes  # 512
@@ -32,6 +32,11 @@ def register(kvd: RunningDaemon, name: str = "a", **kwargs: object) -> tuple[KVC
 
 def tenant_row(client: KVClient, name: str) -> dict:
     return next(t for t in client.status()["tenants"] if t["name"] == name)
+
+
+def wait_mapped(client: KVClient, name: str, num_bytes: int) -> None:
+    """Wait until the daemon counts ``num_bytes`` mapped by ``name`` (returns run on the agent)."""
+    wait_until(lambda: tenant_row(client, name)["mapped_bytes"] == num_bytes, 5, f"{name} never held {num_bytes}")
 
 
 def test_views_have_the_public_shape(kvd: RunningDaemon) -> None:
@@ -64,9 +69,10 @@ def test_prefetch_and_spare_bounds(kvd: RunningDaemon) -> None:
     more = pool.alloc(3 * BLOCKS_PER_PAGE)
     pool.free(more)
     # only one spare page may stay mapped besides the page holding `blocks`
-    assert tenant_row(client, "a")["mapped_bytes"] == 2 * LOGICAL_PAGE_BYTES
+    wait_mapped(client, "a", 2 * LOGICAL_PAGE_BYTES)
     pool.free(blocks)
-    assert tenant_row(client, "a")["mapped_bytes"] == LOGICAL_PAGE_BYTES
+    # logical page 0 stays mapped for the pool's life, and counts as the spare page
+    wait_mapped(client, "a", LOGICAL_PAGE_BYTES)
     kvd.check_invariants()
     pool.close()
 
@@ -75,8 +81,8 @@ def test_exhaustion_leaves_nothing_behind(kvd: RunningDaemon) -> None:
     client, pool = register(kvd, max_bytes=3 * LOGICAL_PAGE_BYTES, num_prefetch_pages=1)
     held = pool.alloc(2 * BLOCKS_PER_PAGE)
     before = tenant_row(client, "a")["mapped_bytes"]
-    with pytest.raises(PoolExhausted, match="refused"):
-        pool.alloc(2 * BLOCKS_PER_PAGE)  # over the 3-page limit
+    with pytest.raises(PoolExhausted, match="limit"):
+        pool.alloc(2 * BLOCKS_PER_PAGE)  # over the 3-page limit: refused without asking
     assert pool.num_used_blocks == len(held)
     assert tenant_row(client, "a")["mapped_bytes"] == before
     with pytest.raises(PoolExhausted, match="virtual capacity"):
@@ -114,13 +120,13 @@ def test_double_free_and_unknown_ids(kvd: RunningDaemon) -> None:
 
 def test_returned_page_comes_back_zeroed(kvd: RunningDaemon) -> None:
     client, pool = register(kvd, num_spare_pages=0, num_prefetch_pages=0)
-    blocks = pool.alloc(BLOCKS_PER_PAGE)
+    first = pool.alloc(1)  # logical page 0, which stays mapped
+    blocks = pool.alloc(BLOCKS_PER_PAGE)  # the rest of page 0 and one block of page 1
     pool.key_cache(0)[blocks] = 7
-    again = pool.alloc(1)  # a second page, so the first can be emptied
-    pool.free(blocks)  # the first page is now spare past the bound: returned
-    assert tenant_row(client, "a")["mapped_bytes"] == LOGICAL_PAGE_BYTES
-    regranted = pool.alloc(BLOCKS_PER_PAGE - 1)
-    assert not set(regranted) & set(again)
+    pool.free(blocks)  # page 1 is now spare past the bound: returned
+    wait_mapped(client, "a", LOGICAL_PAGE_BYTES)
+    regranted = pool.alloc(BLOCKS_PER_PAGE)
+    assert not set(regranted) & set(first)
     # the daemon released the page (its memory punched out): no stale bytes
     assert float(pool.key_cache(0)[regranted].abs().sum()) == 0.0
     pool.close()
@@ -144,8 +150,9 @@ def test_random_alloc_free_touches_only_mapped_blocks(kvd: RunningDaemon) -> Non
             pool.key_cache(step % 2)[got] = 1  # would SIGSEGV over an unmapped page
             live += got
         kvd.check_invariants()
-        pool.allocator.check()
-        assert tenant_row(client, "a")["mapped_bytes"] == pool.mapped_bytes
+        with pool.core.lock:  # the agent returns pages under this lock: both sides agree here
+            pool.core.allocator.check()
+            assert tenant_row(client, "a")["mapped_bytes"] == pool.mapped_bytes
     pool.close()
     assert client.status()["free_bytes"] == 64 * 1024 * 1024
 
@@ -156,11 +163,9 @@ def test_lowered_limit_makes_an_idle_pool_return_spare_pages(kvd: RunningDaemon)
     pool.free(blocks[BLOCKS_PER_PAGE:])  # one page in use, three spare
     assert tenant_row(client, "a")["mapped_bytes"] == 4 * LOGICAL_PAGE_BYTES
     client.set_limit("a", max_bytes=2 * LOGICAL_PAGE_BYTES)
-    deadline = time.monotonic() + 1.0
-    while tenant_row(client, "a")["mapped_bytes"] > 2 * LOGICAL_PAGE_BYTES:
-        assert time.monotonic() < deadline, "spare pages not returned within 1 s"
-        time.sleep(0.01)
+    wait_mapped(client, "a", 2 * LOGICAL_PAGE_BYTES)
     assert pool.num_used_blocks == BLOCKS_PER_PAGE
+    assert pool.max_bytes == 2 * LOGICAL_PAGE_BYTES  # the pool was told its new limit
     kvd.check_invariants()
     pool.close()
 
@@ -168,10 +173,7 @@ def test_lowered_limit_makes_an_idle_pool_return_spare_pages(kvd: RunningDaemon)
 def test_used_bytes_reach_status(kvd: RunningDaemon) -> None:
     client, pool = register(kvd)
     pool.alloc(10)
-    deadline = time.monotonic() + 3.0
-    while tenant_row(client, "a")["used_bytes"] != 10 * SPEC.block_bytes * SPEC.num_segments:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: tenant_row(client, "a")["used_bytes"] == 10 * SPEC.block_bytes * SPEC.num_segments)
     pool.close()
 
 
@@ -210,13 +212,15 @@ def test_a_lowered_limit_takes_busy_pages_as_their_blocks_are_freed(kvd: Running
     client, pool = register(kvd, num_spare_pages=8, num_prefetch_pages=0)
     blocks = pool.alloc(4 * BLOCKS_PER_PAGE)  # four pages, all in use: nothing spare
     client.set_limit("a", max_bytes=2 * LOGICAL_PAGE_BYTES)
-    time.sleep(0.3)
+    wait_until(lambda: pool.core.owed_pages == 2, 5, "the reclaim notice was not answered")
     assert tenant_row(client, "a")["mapped_bytes"] == 4 * LOGICAL_PAGE_BYTES  # live blocks stay
-    pool.free(blocks[: BLOCKS_PER_PAGE])  # one page empties: it goes back despite the spare bound
-    assert tenant_row(client, "a")["mapped_bytes"] == 3 * LOGICAL_PAGE_BYTES
-    pool.free(blocks[BLOCKS_PER_PAGE : 2 * BLOCKS_PER_PAGE])
-    assert tenant_row(client, "a")["mapped_bytes"] == 2 * LOGICAL_PAGE_BYTES
-    pool.free(blocks[2 * BLOCKS_PER_PAGE :])  # within the limit again: spare pages may stay
+    pool.free(blocks[3 * BLOCKS_PER_PAGE :])  # one page empties: it goes back despite the spare bound
+    wait_mapped(client, "a", 3 * LOGICAL_PAGE_BYTES)
+    pool.free(blocks[2 * BLOCKS_PER_PAGE : 3 * BLOCKS_PER_PAGE])
+    wait_mapped(client, "a", 2 * LOGICAL_PAGE_BYTES)
+    pool.free(blocks[: 2 * BLOCKS_PER_PAGE])  # within the limit again: spare pages may stay
+    pool.agent.nudge()
+    wait_until(lambda: not pool.core.has_excess())
     assert tenant_row(client, "a")["mapped_bytes"] == 2 * LOGICAL_PAGE_BYTES
     kvd.check_invariants()
     pool.close()

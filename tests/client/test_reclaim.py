@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from kvdaemon.client import KVClient, KVSpec, PoolExhausted
+from kvdaemon.client.pool_state import PoolState
 from kvdaemon.errors import BadRequest
 
-from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon
+from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes
@@ -19,17 +19,21 @@ LOGICAL = SPEC.num_segments * PAGE_BYTES  # 8 MiB: the pool holds 8 logical page
 
 
 @pytest.fixture
-def kvd() -> Iterator[RunningDaemon]:
-    with running_daemon("64MiB") as running:
+def kvd(request: pytest.FixtureRequest) -> Iterator[RunningDaemon]:
+    """A 64 MiB daemon; ``indirect`` parametrization passes config fields."""
+    with running_daemon("64MiB", **getattr(request, "param", {})) as running:
         yield running
+
+
+SPARE_PAGES_ALONE = pytest.mark.parametrize("kvd", [{"reclaim_escalate_s": 5.0}], indirect=True)
 
 
 def rows(client: KVClient) -> dict[str, dict]:
     return {t["name"]: t for t in client.status()["tenants"]}
 
 
+@SPARE_PAGES_ALONE
 def test_a_busy_grow_takes_an_idle_tenants_spare_pages(kvd: RunningDaemon) -> None:
-    kvd.daemon.service.reclaimer.sleep_after_s = 5.0  # spare pages alone must do it
     client = kvd.client()
     idle = client.register("idle", SPEC, num_spare_pages=8, num_prefetch_pages=0)
     idle.free(idle.alloc(4 * BLOCKS_PER_PAGE))  # four spare logical pages stay mapped
@@ -45,10 +49,12 @@ def test_a_busy_grow_takes_an_idle_tenants_spare_pages(kvd: RunningDaemon) -> No
     busy.close()
 
 
+@pytest.mark.parametrize("kvd", [{"reclaim_escalate_s": 0.05, "reclaim_wait_s": 10.0}], indirect=True)
 def test_an_idle_tenant_is_warm_slept_when_spare_pages_are_not_enough(kvd: RunningDaemon) -> None:
-    kvd.daemon.service.reclaimer.sleep_after_s = 0.05
     client = kvd.client()
     idle = client.register("idle", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    idle.quiesce_hook = lambda: None  # idle: nothing to wait for; the daemon may sleep it
+    wait_until(lambda: rows(client)["idle"]["sleepable"])
     held = idle.alloc(6 * BLOCKS_PER_PAGE)  # live blocks: nothing spare to give
     idle.key_cache(1)[held[-1]] = 9
     busy = client.register("busy", SPEC, num_spare_pages=0, num_prefetch_pages=0)
@@ -59,7 +65,7 @@ def test_an_idle_tenant_is_warm_slept_when_spare_pages_are_not_enough(kvd: Runni
     assert client.status()["counters"]["victims_slept"] == 1
     busy.free(busy_blocks)  # room again: the sleeper wakes with its bytes
     client.wake("idle")
-    assert idle.awake.wait(5)
+    assert idle.wait_state(lambda state: state is PoolState.ACTIVE, 5)
     assert float(idle.key_cache(1)[held[-1]].float().mean()) == 9.0
     kvd.check_invariants()
     idle.close()
@@ -82,10 +88,10 @@ def test_min_bytes_is_never_reclaimed(kvd: RunningDaemon) -> None:
     busy.close()
 
 
+@SPARE_PAGES_ALONE
 def test_cache_only_pages_are_reclaimed_before_anyone_sleeps(kvd: RunningDaemon) -> None:
     from kvdaemon.client.block_manager import BlockManager
 
-    kvd.daemon.service.reclaimer.sleep_after_s = 5.0  # eviction alone must do it
     client = kvd.client()
     cached = client.register("cached", SPEC, num_spare_pages=0, num_prefetch_pages=0)
     manager = BlockManager(cached, salt=b"model-a")
@@ -106,8 +112,8 @@ def test_cache_only_pages_are_reclaimed_before_anyone_sleeps(kvd: RunningDaemon)
     cached.close()
 
 
+@SPARE_PAGES_ALONE
 def test_the_lighter_tenant_gives_first(kvd: RunningDaemon) -> None:
-    kvd.daemon.service.reclaimer.sleep_after_s = 5.0
     client = kvd.client()
     light = client.register("light", SPEC, weight=1.0, num_spare_pages=8, num_prefetch_pages=0)
     heavy = client.register("heavy", SPEC, weight=4.0, num_spare_pages=8, num_prefetch_pages=0)
@@ -123,8 +129,8 @@ def test_the_lighter_tenant_gives_first(kvd: RunningDaemon) -> None:
         pool.close()
 
 
+@SPARE_PAGES_ALONE
 def test_a_grow_that_may_not_wait_fails_at_once_and_still_asks_the_others(kvd: RunningDaemon) -> None:
-    kvd.daemon.service.reclaimer.sleep_after_s = 5.0
     client = kvd.client()
     idle = client.register("idle", SPEC, num_spare_pages=8, num_prefetch_pages=0)
     idle.free(idle.alloc(6 * BLOCKS_PER_PAGE))  # six spare logical pages stay mapped
@@ -133,9 +139,8 @@ def test_a_grow_that_may_not_wait_fails_at_once_and_still_asks_the_others(kvd: R
         eager.alloc(4 * BLOCKS_PER_PAGE)  # 2 free: the rest must come back first
     assert kvd.daemon.service.reclaimer.parked == []
     assert client.status()["counters"]["reclaim_requests"] >= 1
-    deadline = time.monotonic() + 5
-    while rows(client)["idle"]["mapped_bytes"] > 4 * LOGICAL and time.monotonic() < deadline:
-        time.sleep(0.01)  # the idle pool's agent gives its spare pages back
+    # the idle pool's agent gives its spare pages back
+    wait_until(lambda: rows(client)["idle"]["mapped_bytes"] <= 4 * LOGICAL)
     blocks = eager.alloc(4 * BLOCKS_PER_PAGE)
     assert len(blocks) == 4 * BLOCKS_PER_PAGE
     kvd.check_invariants()

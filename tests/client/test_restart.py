@@ -14,7 +14,7 @@ import torch
 from kvdaemon.client import KVClient, KVPool, KVSpec
 from kvdaemon.errors import DaemonUnreachable
 
-from tests.conftest import PAGE_BYTES, short_dir, start_daemon, wait_for
+from tests.conftest import PAGE_BYTES, short_dir, start_daemon, wait_until
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes
@@ -52,7 +52,7 @@ def test_engines_keep_their_kv_across_a_daemon_restart(root: Path) -> None:
 
     os.kill(first.pid, signal.SIGKILL)
     first.wait(10)
-    wait_for(lambda: all(p.lease.lost.is_set() for p in pools.values()), 5, "lease not lost")
+    wait_until(lambda: all(p.lease.lost.is_set() for p in pools.values()), 5, "lease not lost")
     for i, (name, pool) in enumerate(pools.items()):  # the engines keep serving their KV
         assert holds(pool, blocks[name], float(i + 1))
         pool.key_cache(0)[blocks[name][0]] = 7.0  # and writing it
@@ -66,7 +66,7 @@ def test_engines_keep_their_kv_across_a_daemon_restart(root: Path) -> None:
             rows = {t["name"]: t["mapped_bytes"] for t in client.status()["tenants"]}
             return rows == before and not any(p.lease.lost.is_set() for p in pools.values())
 
-        wait_for(back, 15, "the tenants did not re-register with the same bytes")
+        wait_until(back, 15, "the tenants did not re-register with the same bytes")
         assert moves == ["quiesce", "resume"]
         for i, (name, pool) in enumerate(pools.items()):
             assert holds(pool, blocks[name], float(i + 1))

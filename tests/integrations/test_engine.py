@@ -23,7 +23,7 @@ from kvdaemon.client.local_pool import LocalPool  # noqa: E402
 from kvdaemon.errors import BadRequest  # noqa: E402
 from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
 
-from tests.conftest import RunningDaemon, short_dir, start_daemon, wait_for  # noqa: E402
+from tests.conftest import RunningDaemon, short_dir, start_daemon, wait_until  # noqa: E402
 from .conftest import PAGE_BYTES  # noqa: E402
 from .models import VOCAB, random_prompts, reference_outputs, tiny_model  # noqa: E402
 
@@ -294,7 +294,7 @@ def test_an_engine_serves_through_a_daemon_restart(model: Any) -> None:
             engine.step()
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
-        wait_for(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
+        wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
         outputs_before = sum(r.num_output_tokens for r in requests)
         for _ in range(5):
             engine.step()  # what is mapped still serves; no new page can come

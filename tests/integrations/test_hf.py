@@ -122,7 +122,7 @@ def test_generation_continues_across_a_warm_sleep(client: KVClient, model: Any) 
         assert client.sleep(pool.name, "warm")["state"] == "sleeping-warm"
         assert pool.mapped_bytes == 0  # every page went back to the daemon
         client.wake(pool.name)
-        assert pool.awake.wait(5)
+        assert pool.wait_state(lambda state: state.value == "active", 5)
 
     generate_in_two_parts(client, model, sleep_and_wake)
 

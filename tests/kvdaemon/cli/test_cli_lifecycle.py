@@ -184,7 +184,8 @@ def test_status_json_is_the_status_object(cli: Cli) -> None:
     done = cli.run("status", "--json")
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
-    assert set(status) == STATUS_KEYS | {"host_bytes", "counters"}
+    assert set(status) == STATUS_KEYS | {
+        "host_bytes", "counters", "device", "pid", "version", "uptime_seconds"}
     assert {key: status[key] for key in STATUS_KEYS} == {
         "backend": "host", "page_size": 2 * MiB, "capacity_bytes": 64 * MiB,
         "free_bytes": 64 * MiB, "tenants": [],
@@ -357,6 +358,7 @@ def test_sleep_and_wake_from_the_cli(cli: Cli) -> None:
     client = cli.client()
     spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
     pool = client.register("llama-a", spec, num_prefetch_pages=0)
+    pool.quiesce_hook = lambda: None  # no engine step to wait for: the CLI may sleep it
     try:
         blocks = pool.alloc(4)
         pool.key_cache(0)[blocks] = 5
@@ -365,12 +367,12 @@ def test_sleep_and_wake_from_the_cli(cli: Cli) -> None:
         assert slept.stdout.strip() == "llama-a: sleeping-warm, 4.00 MiB kept in host memory"
         (row,) = json.loads(cli.run("status", "--json").stdout)["tenants"]
         assert (row["state"], row["mapped_bytes"], row["host_bytes"]) == ("sleeping-warm", 0, 4 << 20)
-        again = cli.run("sleep", "llama-a", "--cold")
-        assert again.returncode == 3 and again.stderr.startswith("error ASLEEP: ")
+        again = cli.run("sleep", "llama-a")
+        assert again.returncode == 0, again.stderr  # asleep already: said so
         woke = cli.run("wake", "llama-a")
         assert woke.returncode == 0, woke.stderr
         assert woke.stdout.strip() == "llama-a: active, 4.00 MiB mapped"
-        assert pool.awake.wait(5)
+        assert pool.wait_state(lambda state: state.value == "active", 5)
         assert float(pool.key_cache(0)[blocks].float().mean()) == 5.0
         cold = cli.run("sleep", "llama-a", "--cold")
         assert cold.stdout.strip() == "llama-a: sleeping-cold"

@@ -9,17 +9,11 @@ from contextlib import closing
 import pytest
 
 from kvdaemon.client import KVSpec, PoolExhausted
-from kvdaemon.errors import DaemonUnreachable
+from kvdaemon.client.pool_state import PoolState
+from kvdaemon.errors import DaemonUnreachable, PoolClosed
 from kvdaemon.wire.handles import recv_frame, send_frame
 
-from tests.conftest import RunningDaemon, small_spec
-
-
-def wait_until(predicate: object, timeout_s: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
+from tests.conftest import RunningDaemon, small_spec, wait_until
 
 
 def test_a_send_failing_inside_grow_does_not_hang_the_daemon(kvd: RunningDaemon) -> None:
@@ -58,9 +52,9 @@ def test_revoked_pool_unmaps_and_refuses_alloc(kvd: RunningDaemon) -> None:
     pool.alloc(8)
     assert pool.lease._sock is not None
     send_frame(pool.lease._sock, {"unexpected": True})  # a protocol violation
-    wait_until(lambda: pool.agent.revoked)
+    wait_until(lambda: pool.state is PoolState.REVOKED)
     assert pool.mapped_bytes == 0
-    with pytest.raises(PoolExhausted, match="revoked"):
+    with pytest.raises(PoolClosed, match="revoked"):
         pool.alloc(pool.num_blocks)
     status = client.status()
     assert status["tenants"] == [] and status["free_bytes"] == status["capacity_bytes"]

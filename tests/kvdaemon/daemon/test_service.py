@@ -11,8 +11,9 @@ import msgpack
 import pytest
 
 from kvdaemon.cuda_vmm import HostBackend
-from kvdaemon.wire.protocol import PROTOCOL_VERSION, decode, encode, request
+from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.daemon.service import Service
+from kvdaemon.wire.protocol import PROTOCOL_VERSION, decode, encode, request
 
 from tests.conftest import PAGE_BYTES, small_spec
 
@@ -42,15 +43,42 @@ class FakeLeases:
         self.notices.append((tenant_id, body))
 
 
-class Harness:
-    """A service over a 16-page host pool, with helpers that speak raw bytes."""
+class FakeClock:
+    """The service's clock, moved by the test."""
 
     def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+class Harness:
+    """A service over a 16-page host pool and a fake clock, with helpers that speak raw bytes.
+
+    Deferred replies land in ``replies`` as ``(routing id, payload)``.
+    """
+
+    def __init__(self, **config: Any) -> None:
         self.backend = HostBackend(num_pages=NUM_PAGES, page_size_bytes=PAGE_BYTES)
         self.backend.start()
         self.leases = FakeLeases()
-        self.service = Service(self.backend, self.leases)
+        self.clock = FakeClock()
+        self.replies: list[tuple[bytes, bytes]] = []
+        self.service = Service(
+            self.backend, self.leases, DaemonConfig(**config),
+            sink=lambda rid, payload: self.replies.append((rid, payload)), clock=self.clock,
+        )
         self._next_id = 0
+
+    def tick(self, seconds: float) -> None:
+        """Move the clock and run the service's timers."""
+        self.service.tick(self.clock.advance(seconds))
+        self.service.check_invariants()
 
     def raw(self, payload: bytes, routing_id: bytes = b"c1") -> dict[str, Any]:
         reply = decode(self.service.dispatch(routing_id, payload))
@@ -173,16 +201,15 @@ def test_set_limit_revisions(h: Harness) -> None:
     # the new limit binds grows at once
     assert h.error("grow", **h.auth("a", reg["token"], logical_pages=[0, 1, 2, 3, 4])) == "OVER_LIMIT"
     assert h.error("set_limit", name="nobody", max_bytes=1) == "UNKNOWN_TENANT"
-    assert h.leases.notices == []
+    # each applied change told the tenant its limits; the idempotent replay did not
+    assert [n["args"]["revision"] for _, n in h.leases.notices if n["notice"] == "limit"] == [5, 6]
 
 
 def test_lowering_a_limit_below_mapped_asks_for_pages_back(h: Harness) -> None:
     reg = h.register("a")
     h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0, 1, 2]))  # 6 pages
     h.ok("set_limit", name="a", max_bytes=3 * PAGE_BYTES)
-    assert h.leases.notices == [
-        (reg["tenant_id"], {"notice": "reclaim", "args": {"tenant": "a", "num_pages": 2}})
-    ]
+    assert h.leases.notices[-1] == (reg["tenant_id"], {"notice": "reclaim", "args": {"num_pages": 2}})
     assert h.error("set_limit", name="a") == "BAD_REQUEST"
 
 
@@ -271,12 +298,12 @@ def start_sleep(h: Harness, name: str, mode: str = "warm") -> int:
     """Ask ``name`` to sleep; the reply is deferred. Returns the sleep id the tenant was told."""
     assert h.service.dispatch(b"admin", request(77, "sleep", {"name": name, "mode": mode})) is None
     tenant_id, notice = h.leases.notices[-1]
-    assert tenant_id == h.service.tenants[name].tenant_id and notice["notice"] == "sleep"
+    assert tenant_id == h.service.tenants.named(name).tenant_id and notice["notice"] == "sleep"
     return notice["args"]["sleep_id"]
 
 
 def deferred(h: Harness) -> dict[str, Any]:
-    routing_id, payload = h.service.replies.pop()
+    routing_id, payload = h.replies.pop()
     assert routing_id == b"admin"
     return decode(payload)
 
@@ -285,7 +312,7 @@ def test_sleep_waits_for_the_tenant_then_frees_its_pages(h: Harness) -> None:
     reg = h.register("a")
     h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0, 1]))
     sleep_id = start_sleep(h, "a")
-    assert h.service.replies == []  # nothing answered before the tenant quiesced
+    assert h.replies == []  # nothing answered before the tenant quiesced
     assert h.error("grow", **h.auth("a", reg["token"], logical_pages=[2])) == "ASLEEP"
     assert h.error("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id + 1)) == "CONFLICT"
     done = h.ok("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id))
@@ -303,8 +330,9 @@ def test_a_sleep_that_times_out_is_cancelled_and_frees_nothing(h: Harness) -> No
     reg = h.register("a")
     h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0]))
     sleep_id = start_sleep(h, "a", "cold")
-    h.service.sleeper.timeout_s = 0.0
-    h.service.sleeper.expire(float("inf"))
+    h.tick(9.9)
+    assert h.replies == []  # still within the quiesce deadline
+    h.tick(0.2)
     assert deferred(h)["error"]["code"] == "CONFLICT"
     assert h.leases.notices[-1][1] == {"notice": "sleep_cancelled", "args": {"sleep_id": sleep_id}}
     assert h.error("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id)) == "CONFLICT"

@@ -1,0 +1,165 @@
+"""``ControlChannel``: one DEALER connection to a daemon's control socket.
+
+Each request carries an id; its reply is matched by id. Three ways to wait:
+
+- ``call``: at most ``timeout_s``; then the socket is dropped (so no late reply
+  can be taken for another request) and ``NoReply`` raised. For requests whose
+  outcome the caller need not learn (status, hello) or may retry safely.
+- ``call_keep``: at most ``timeout_s``; then the request stays *outstanding*
+  and ``NoReply`` carries its id. Its reply, when it comes, is kept for
+  ``collect``: a grow the caller stopped waiting for is still adopted or given
+  back, never lost.
+- ``call_until_answered``: as long as ``alive()`` says the daemon lives. For
+  the steps of an exchange whose answer decides what both sides do (a sleep):
+  a timeout is not a decision.
+
+Before the first connect the daemon's directory is checked (ours, 0700, not a
+symlink): a client never talks to a daemon another user could have planted.
+Unsolicited messages are dropped. All calls hold one lock, so threads may share
+a channel; a call blocks others for as long as it waits.
+
+Cost: one send and one or more receives per call (ZeroMQ over a unix socket).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from kvdaemon.errors import DaemonUnreachable, NoReply
+from kvdaemon.wire.paths import DaemonPaths, check_private_dir
+from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, decode, request, result_of
+
+log = logging.getLogger("kvdaemon.client")
+ALIVE_POLL_S = 0.5  # how often ``call_until_answered`` checks that the daemon still lives
+
+
+class ControlChannel:
+    """Requests and replies to the daemon at ``paths`` (see the module docstring)."""
+
+    def __init__(self, paths: DaemonPaths, timeout_s: float) -> None:
+        self.paths = paths
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._sock: zmq.Socket | None = None
+        self._outstanding: set[int] = set()
+        self._late: dict[int, dict[str, Any]] = {}
+
+    def unreachable(self) -> DaemonUnreachable:
+        return DaemonUnreachable(
+            f"no kvdaemon running at {self.paths.root} — start it with `kvdaemon start`"
+        )
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            if not self.paths.control_socket.exists():
+                raise self.unreachable()
+            check_private_dir(self.paths.root)
+            # The process-wide context: never terminated here, so closing a channel
+            # can never block on another channel's sockets.
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sock.connect(self.paths.control_endpoint)
+            self._sock = sock
+        return self._sock
+
+    def reset(self) -> None:
+        """Drop the socket: replies still on their way are lost, outstanding ones too."""
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._outstanding.clear()
+        self._late.clear()
+
+    def call(self, op: str, args: dict[str, Any], timeout_s: float | None = None) -> Any:
+        """Send one request and return its result; ``NoReply`` (socket dropped) after ``timeout_s``."""
+        with self._lock:
+            request_id = self._send(op, args)
+            reply = self._wait(request_id, self._deadline(timeout_s))
+            if reply is None:
+                self._drop()
+                raise self._no_reply(op, timeout_s)
+            return result_of(reply)
+
+    def call_keep(self, op: str, args: dict[str, Any], timeout_s: float | None = None) -> Any:
+        """As ``call``, but a request not answered in time stays outstanding (see ``collect``)."""
+        with self._lock:
+            request_id = self._send(op, args)
+            reply = self._wait(request_id, self._deadline(timeout_s))
+            if reply is None:
+                self._outstanding.add(request_id)
+                error = self._no_reply(op, timeout_s)
+                error.request_id = request_id  # type: ignore[attr-defined]
+                raise error
+            return result_of(reply)
+
+    def call_until_answered(self, op: str, args: dict[str, Any], alive: Callable[[], bool]) -> Any:
+        """Send one request and wait for its reply while ``alive()``; ``DaemonUnreachable`` once not."""
+        with self._lock:
+            request_id = self._send(op, args)
+            while True:
+                reply = self._wait(request_id, time.monotonic() + ALIVE_POLL_S)
+                if reply is not None:
+                    return result_of(reply)
+                if not alive():
+                    self._drop()
+                    raise self.unreachable()
+
+    def collect(self, request_id: int) -> dict[str, Any] | None:
+        """The late reply to outstanding ``request_id`` if it has come (never blocks), else None."""
+        with self._lock:
+            if request_id not in self._late and self._sock is not None:
+                self._wait(-1, 0.0)  # take in whatever has arrived
+            reply = self._late.pop(request_id, None)
+            if reply is not None:
+                self._outstanding.discard(request_id)
+            return reply
+
+    def close(self) -> None:
+        self.reset()
+
+    # -- internals (lock held) -------------------------------------------------
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+    def _no_reply(self, op: str, timeout_s: float | None) -> NoReply:
+        wait = self.timeout_s if timeout_s is None else timeout_s
+        return NoReply(
+            f"the kvdaemon at {self.paths.root} did not answer {op!r} within {wait:g} s"
+        )
+
+    def _send(self, op: str, args: dict[str, Any]) -> int:
+        sock = self._socket()
+        request_id = next(self._ids)
+        sock.send(request(request_id, op, args))
+        return request_id
+
+    def _wait(self, request_id: int, deadline: float) -> dict[str, Any] | None:
+        """The reply to ``request_id`` by ``deadline``; others are kept (outstanding) or dropped."""
+        sock = self._sock
+        assert sock is not None
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if not sock.poll(max(0, left_ms), zmq.POLLIN):
+                return None
+            message = decode(sock.recv())
+            rid = message.get("id")
+            if rid == request_id:
+                return message
+            if rid in self._outstanding:
+                self._late[rid] = message
+            else:
+                log.debug("dropped an unsolicited control message: %.100r", message)

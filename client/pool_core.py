@@ -1,0 +1,233 @@
+"""``PoolCore``: what a pool's engine thread and its agent thread share, and its page moves.
+
+The core holds the pool's one lock, its state (``PoolStateCell``), its mapped
+pages (``SegmentMap``), its blocks (``BlockAllocator``; a warm sleeper's set
+aside), its lease, what it knows of its limit, and the engine's hooks. Every
+page move goes through here, under the lock:
+
+- ``grow_for(n)``: map pages until n blocks are free, in one grow: the daemon
+  is asked for at least the pages needed and at most that plus prefetch, never
+  past the limit the pool knows (refused locally, no round trip). A grow whose
+  reply came late is adopted here (mapped as spare pages) before asking again.
+- ``return_excess``: spare pages past ``num_spare_pages``, and pages owed after
+  a lowered limit, are unmapped and given back (the agent runs it, not the
+  engine). Logical page 0 is never given back while the pool lives, so every
+  tensor's base address stays mapped (GPU kernel launchers check it).
+- ``drop_all_pages``: unmap everything without telling the daemon (revoked,
+  closing).
+
+Cost: one daemon round trip per grow or return; O(pages) local work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvdaemon.client.allocator import BlockAllocator
+from kvdaemon.client.lease import Grant, Lease
+from kvdaemon.client.pool_state import PoolState, PoolStateCell
+from kvdaemon.client.segments import SegmentMap
+from kvdaemon.client.spec import KVSpec
+from kvdaemon.errors import (
+    Asleep, BackendError, BadRequest, DaemonUnreachable, KVDaemonError, NoMemory, OverLimit,
+    PoolClosed, PoolExhausted,
+)
+
+log = logging.getLogger("kvdaemon.client.pool")
+
+
+class PoolCore:
+    """Shared state and page moves of one ``KVPool`` (see the module docstring)."""
+
+    def __init__(
+        self, lease: Lease, spec: KVSpec, num_virtual_pages: int, num_spare_pages: int,
+        num_prefetch_pages: int,
+    ) -> None:
+        self.lease = lease
+        self.spec = spec
+        self.name = lease.name
+        self.backend = lease.backend
+        self.page_bytes = lease.page_size_bytes
+        self.num_virtual_pages = num_virtual_pages
+        self.num_spare_pages = num_spare_pages
+        self.num_prefetch_pages = min(num_prefetch_pages, num_spare_pages)
+        self.lock = threading.Lock()
+        self.cell = PoolStateCell(self.lock)
+        self.segments = SegmentMap(self.backend, spec.num_segments, num_virtual_pages, self.page_bytes)
+        self.allocator = self.new_allocator()
+        self.sleeping_allocator: BlockAllocator | None = None  # a warm sleeper's blocks
+        self.max_bytes: int | None = lease.limit.get("max_bytes")
+        self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
+        self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed
+        self.pending_return: set[int] = set()  # unmapped here, shrink not yet confirmed
+        self.num_block_losses = 0  # times every block was dropped (cold sleep, empty restart)
+        self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
+        self.resume_hook: Callable[[], None] | None = None  # the engine may step again
+        self.reclaim_hook: Callable[[int], int] | None = None  # evicts up to N cache-only blocks
+
+    # -- geometry and state ------------------------------------------------------
+
+    @property
+    def state(self) -> PoolState:
+        return self.cell.state
+
+    @property
+    def logical_page_bytes(self) -> int:
+        return self.page_bytes * self.spec.num_segments
+
+    @property
+    def mapped_bytes(self) -> int:
+        return len(self.segments.pages) * self.logical_page_bytes
+
+    def new_allocator(self) -> BlockAllocator:
+        return BlockAllocator(self.num_virtual_pages, self.page_bytes, self.spec.block_bytes)
+
+    def check_can_grow(self) -> None:
+        """Raise the error that tells why this pool cannot map pages now, if it cannot."""
+        state = self.cell.state
+        if state.ended:
+            raise PoolClosed(f"pool {self.name!r} is {state.value}")
+        if state.asleep or state is PoolState.SLEEP_PENDING:
+            raise Asleep(f"pool {self.name!r} is {state.value}; wake it first")
+        if state is PoolState.DETACHED or self.lease.lost.is_set():
+            raise DaemonUnreachable(
+                f"pool {self.name!r}: the daemon is gone; no new pages until one runs again"
+            )
+
+    # -- growing (lock held) -----------------------------------------------------
+
+    def grow_for(self, num_blocks: int) -> None:
+        """Map pages until ``num_blocks`` blocks are free; ``PoolExhausted`` when it cannot.
+
+        Raises ``DaemonUnreachable`` (``NoReply`` when the daemon holds its
+        directory but is slow: the grow stays outstanding), ``Asleep``,
+        ``PoolClosed``. Nothing is allocated here.
+        """
+        self.adopt_late_grants()
+        while num_blocks > self.allocator.num_free:
+            self.check_can_grow()
+            needed = -(-(num_blocks - self.allocator.num_free) // self.allocator.blocks_per_page)
+            skip = self.lease.in_flight | self.pending_return
+            candidates = self.allocator.unmapped_pages(needed + self.num_prefetch_pages, skip)
+            if len(candidates) < needed:
+                raise PoolExhausted(
+                    f"pool {self.name!r} has {self.allocator.num_blocks} blocks of virtual capacity; "
+                    f"{num_blocks} free wanted"
+                )
+            headroom = self.headroom_pages()
+            if needed > headroom:
+                raise PoolExhausted(
+                    f"pool {self.name!r} needs {needed} more page(s); its limit of "
+                    f"{self.max_bytes} bytes allows {headroom}"
+                )
+            del candidates[headroom:]
+            try:
+                granted = self.lease.grow(candidates, self.grow_wait_s, min_pages=needed)
+            except (NoMemory, OverLimit) as exc:
+                raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
+            self.map_grant(granted)
+            self.owed_pages = 0  # the daemon granted more: it no longer wants pages back
+
+    def headroom_pages(self) -> int:
+        """Logical pages the known limit still allows (a large number when unknown)."""
+        if self.max_bytes is None:
+            return self.num_virtual_pages
+        return max(0, self.max_bytes - self.mapped_bytes) // self.logical_page_bytes
+
+    def map_grant(self, granted: Grant) -> None:
+        """Map granted pages into every segment; on a backend error give back what is not mapped."""
+        for i, (lp, pages) in enumerate(granted.items()):
+            try:
+                self.segments.map(lp, pages)
+            except BackendError:
+                rest = list(granted)[i:]
+                for other in rest:
+                    self.segments.release(granted[other])
+                with contextlib.suppress(KVDaemonError):
+                    self.lease.shrink(rest)
+                raise
+            self.allocator.add_page(lp)
+
+    def adopt_late_grants(self) -> None:
+        """Map grants whose grow gave up waiting (they become spare pages), or give them back."""
+        if not self.lease.outstanding_grows:
+            return
+        for grant in self.lease.late_grants():
+            usable = self.cell.state is PoolState.ACTIVE and not (grant.keys() & self.segments.pages.keys())
+            if usable:
+                self.map_grant(grant)
+                log.info("pool %s: adopted a late grant of %d page(s)", self.name, len(grant))
+                continue
+            for pages in grant.values():
+                self.segments.release(pages)
+            self.give_back(list(grant))
+
+    # -- returning (lock held unless said) ---------------------------------------
+
+    def has_excess(self) -> bool:
+        """True when spare pages past the allowance (or owed ones) wait to be returned. O(1)."""
+        spare = self.allocator.spare
+        return bool(self.owed_pages and spare) or len(spare) > max(self.num_spare_pages, 0 in spare)
+
+    def return_excess(self) -> int:
+        """Give back spare pages past ``num_spare_pages`` (logical page 0, kept, counts
+        among them) and owed ones; return how many went."""
+        pinned = 0 in self.allocator.spare
+        spare = [lp for lp in self.allocator.spare_pages() if lp != 0]
+        owed = min(len(spare), self.owed_pages)
+        num = max(len(spare) - max(0, self.num_spare_pages - pinned), owed)
+        if num <= 0:
+            return 0
+        self.owed_pages -= min(owed, num)
+        self._return(spare[:num])
+        return num
+
+    def return_spare(self, num_pages: int) -> int:
+        """Give back up to ``num_pages`` spare pages now (a reclaim); takes the lock."""
+        with self.lock:
+            if self.cell.state is not PoolState.ACTIVE:
+                return 0
+            spare = [lp for lp in self.allocator.spare_pages() if lp != 0][:num_pages]
+            if spare:
+                self._return(spare)
+            return len(spare)
+
+    def _return(self, lps: list[int]) -> None:
+        for lp in lps:
+            self.allocator.remove_page(lp)
+            self.segments.drop(lp)
+        self.give_back(lps)
+
+    def give_back(self, lps: list[int]) -> None:
+        """Tell the daemon about pages no longer mapped here (retried until it confirms)."""
+        self.pending_return.update(lps)
+        with contextlib.suppress(DaemonUnreachable):
+            self.retry_returns()
+
+    def retry_returns(self) -> None:
+        """Send the page returns the daemon has not confirmed yet."""
+        if not self.pending_return or self.lease.lost.is_set():
+            return
+        lps = sorted(self.pending_return)
+        try:
+            self.lease.shrink(lps)
+        except BadRequest:
+            log.info("pool %s: pages %s were already given back", self.name, lps[:8])
+        self.pending_return.difference_update(lps)
+
+    def drop_all_pages(self) -> None:
+        """Unmap every page here (without telling the daemon) and empty the allocator."""
+        for lp in list(self.segments.pages):
+            self.segments.drop(lp)
+        self.allocator = self.new_allocator()
+        self.sleeping_allocator = None
+
+    def set_limit(self, limit: dict[str, Any]) -> None:
+        """Record the limits the daemon told us (register reply, grow reply, ``limit`` notice)."""
+        max_bytes = limit.get("max_bytes")
+        if isinstance(max_bytes, int):
+            self.max_bytes = max_bytes

@@ -1,0 +1,114 @@
+"""``SegmentMap``: a pool's reserved ranges and which physical pages back them.
+
+A pool has ``num_segments`` segments, each one reserved range of
+``num_virtual_pages`` pages. Logical page p is the p-th page of every segment
+at once, so mapping it maps one physical page into each segment. This is the
+one place that maps and unmaps: grow, page returns, sleep, wake and the restart
+hand-over all go through it.
+
+Invariants: ``pages[lp]`` holds one page per segment exactly while logical page
+lp is mapped in every segment; a failed map leaves nothing half-mapped.
+
+Cost: one backend map or unmap per segment per logical page.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
+from kvdaemon.errors import BackendError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SegmentMap:
+    """Reserved ranges and the page table of one pool (see the module docstring)."""
+
+    def __init__(self, backend: Backend, num_segments: int, num_virtual_pages: int, page_bytes: int) -> None:
+        self.backend = backend
+        self.num_segments = num_segments
+        self.num_virtual_pages = num_virtual_pages
+        self.page_bytes = page_bytes
+        self.bases: list[int] = []
+        self.pages: dict[int, list[PhysicalPage]] = {}
+
+    def reserve(self) -> None:
+        """Reserve one range per segment; all or nothing."""
+        span = self.num_virtual_pages * self.page_bytes
+        try:
+            for _ in range(self.num_segments):
+                self.bases.append(self.backend.reserve(span))
+        except BackendError:
+            self.free_ranges()
+            raise
+
+    def free_ranges(self) -> None:
+        """Give the ranges back; every page must be unmapped first."""
+        for base in self.bases:
+            self.backend.free_range(base)
+        self.bases.clear()
+
+    def view(self, segment: int, size_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor over the first ``size_bytes`` of a segment (fixed address)."""
+        return self.backend.tensor(self.bases[segment], size_bytes, dtype)
+
+    def map(self, lp: int, pages: list[PhysicalPage]) -> None:
+        """Map one page per segment at logical page ``lp``; on error nothing stays mapped."""
+        offset = lp * self.page_bytes
+        done = 0
+        try:
+            for base, page in zip(self.bases, pages):
+                self.backend.map_page(base + offset, page)
+                done += 1
+        except BackendError:
+            for base in self.bases[:done]:
+                self.backend.unmap(base + offset, self.page_bytes)
+            raise
+        self.pages[lp] = pages
+
+    def unmap(self, lp: int) -> list[PhysicalPage]:
+        """Unmap logical page ``lp`` from every segment; return its pages (handles kept)."""
+        offset = lp * self.page_bytes
+        for base in self.bases:
+            self.backend.unmap(base + offset, self.page_bytes)
+        return self.pages.pop(lp)
+
+    def drop(self, lp: int) -> None:
+        """Unmap ``lp`` and release its handles."""
+        self.release(self.unmap(lp))
+
+    def release(self, pages: list[PhysicalPage]) -> None:
+        for page in pages:
+            self.backend.release_page(page)
+
+    def unmap_all(self) -> dict[int, list[PhysicalPage]]:
+        """Unmap every logical page; return them all (handles kept) for a remap or a release."""
+        return {lp: self.unmap(lp) for lp in sorted(self.pages)}
+
+    def map_all(self, pages: dict[int, list[PhysicalPage]]) -> None:
+        """Map every logical page of ``pages`` (e.g. back after a refused sleep)."""
+        for lp, lp_pages in pages.items():
+            self.map(lp, lp_pages)
+
+    def move(self, lp: int, fresh: list[PhysicalPage], staging: int) -> None:
+        """Replace ``lp``'s pages by ``fresh`` ones holding the same bytes (a restart hand-over).
+
+        Each fresh page is mapped at the one-page ``staging`` range, filled from
+        the old page, then swapped in at the segment's address; the old page is
+        released. The logical page is unmapped only between the unmap and map
+        of one segment, so callers hold the engine between steps meanwhile.
+        """
+        import torch
+
+        offset = lp * self.page_bytes
+        for base, old, new in zip(self.bases, self.pages[lp], fresh):
+            self.backend.map_page(staging, new)
+            target = self.backend.tensor(staging, self.page_bytes, torch.uint8)
+            target.copy_(self.backend.tensor(base + offset, self.page_bytes, torch.uint8))
+            self.backend.unmap(staging, self.page_bytes)
+            self.backend.unmap(base + offset, self.page_bytes)
+            self.backend.map_page(base + offset, new)
+            self.backend.release_page(old)
+        self.pages[lp] = fresh

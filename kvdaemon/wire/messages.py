@@ -1,0 +1,186 @@
+"""The protocol catalogue: every op a client may ask and every notice the daemon sends.
+
+Requests travel on the control channel (ZeroMQ, see ``kvdaemon.wire.protocol``)
+as ``{"id", "op", "args"}``; notices travel on a tenant's handle channel as
+``{"notice", "args"}``, in order with the grant frames of that tenant.
+
+Ops (``args`` fields; ``token`` means the tenant's own token is required):
+
+============  =====================================================================
+hello         version -> pid, backend, device, page_size, capacity_bytes, version
+register      name, spec, num_virtual_pages, max_bytes?, min_bytes, weight, pid,
+              sleepable -> tenant_id, token, page_size, num_segments, limit (a
+              ``LimitNotice`` map)
+grow          tenant, token, logical_pages (candidates, in order), min_pages?,
+              wait_s? -> grant_id, pages [[lp, [page ids]]] (``min_pages`` <= n <=
+              len(logical_pages), the first n candidates), max_bytes
+shrink        tenant, token, logical_pages -> num_released, mapped_bytes
+heartbeat     tenant, token, used_bytes?, sleepable? -> state, max_bytes, free_bytes
+unregister    tenant, token -> num_released
+status        -> the ``status --json`` object
+set_limit     name, max_bytes?, min_bytes?, weight?, revision? -> result, revision
+sleep         name, mode, token? -> state, num_released, host_bytes (answered once
+              the tenant quiesced, or refused)
+sleep_ready   tenant, token, sleep_id, refused? -> the same result as ``sleep``
+wake          name, token? -> state, mapped_bytes
+shutdown      -> {}
+============  =====================================================================
+
+Every notice has a dataclass here with ``to_wire`` (daemon side) and a parser,
+``parse_notice`` (client side), which validates every field: a client trusts
+nothing it did not check, even from its daemon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from kvdaemon.errors import BadRequest
+from kvdaemon.wire.protocol import MAX_INT, Args
+
+OPS = (
+    "hello", "register", "grow", "shrink", "heartbeat", "unregister", "status", "set_limit",
+    "sleep", "sleep_ready", "wake", "shutdown",
+)
+SLEEP_MODES = ("warm", "cold")
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Base of every notice: ``kind`` names it on the wire."""
+
+    kind: ClassVar[str] = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"notice": self.kind, "args": asdict(self)}
+
+
+@dataclass(frozen=True)
+class ReclaimNotice(Notice):
+    """Give back up to ``num_pages`` logical pages (spare first, then cache-only)."""
+
+    kind: ClassVar[str] = "reclaim"
+    num_pages: int
+
+    @classmethod
+    def parse(cls, args: Args) -> ReclaimNotice:
+        return cls(args.int("num_pages", 1, MAX_INT))
+
+
+@dataclass(frozen=True)
+class RevokedNotice(Notice):
+    """The daemon ended this lease: unmap everything, allocate nothing more."""
+
+    kind: ClassVar[str] = "revoked"
+    why: str
+
+    @classmethod
+    def parse(cls, args: Args) -> RevokedNotice:
+        return cls(args.str("why", 1024))
+
+
+@dataclass(frozen=True)
+class SleepNotice(Notice):
+    """Quiesce, unmap, and answer ``sleep_ready(sleep_id)``; ``by_owner``: asked by this tenant."""
+
+    kind: ClassVar[str] = "sleep"
+    mode: str
+    sleep_id: int
+    by_owner: bool = False
+
+    @classmethod
+    def parse(cls, args: Args) -> SleepNotice:
+        mode = args.str("mode", 8)
+        if mode not in SLEEP_MODES:
+            raise BadRequest(f"sleep mode must be one of {SLEEP_MODES}, got {mode!r}")
+        return cls(mode, args.int("sleep_id", 1), args.bool("by_owner"))
+
+
+@dataclass(frozen=True)
+class SleepCancelledNotice(Notice):
+    """Sleep ``sleep_id`` was given up by the daemon (the tenant did not quiesce in time)."""
+
+    kind: ClassVar[str] = "sleep_cancelled"
+    sleep_id: int
+
+    @classmethod
+    def parse(cls, args: Args) -> SleepCancelledNotice:
+        return cls(args.int("sleep_id", 1))
+
+
+@dataclass(frozen=True)
+class WakeNotice(Notice):
+    """Awake again: map grant ``grant_id`` (``pages``: ``[[lp, [page ids]]]``) at the same addresses."""
+
+    kind: ClassVar[str] = "wake"
+    mode: str
+    grant_id: int
+    pages: list[list[Any]] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, args: Args) -> WakeNotice:
+        mode = args.str("mode", 8)
+        if mode not in SLEEP_MODES:
+            raise BadRequest(f"wake mode must be one of {SLEEP_MODES}, got {mode!r}")
+        return cls(mode, args.int("grant_id", 0), parse_grant_pages(args.raw("pages", [])))
+
+
+@dataclass(frozen=True)
+class LimitNotice(Notice):
+    """The tenant's limits as of ``revision`` (also the ``limit`` field of ``register``'s reply)."""
+
+    kind: ClassVar[str] = "limit"
+    max_bytes: int
+    min_bytes: int
+    weight: float
+    revision: int
+
+    @classmethod
+    def parse(cls, args: Args) -> LimitNotice:
+        return cls(
+            args.int("max_bytes", 0, MAX_INT), args.int("min_bytes", 0, MAX_INT),
+            args.float("weight", 0.0, float("inf")), args.int("revision", 0, MAX_INT),
+        )
+
+
+@dataclass(frozen=True)
+class ShutdownNotice(Notice):
+    """The daemon is stopping: keep serving from what is mapped; re-register when it is back."""
+
+    kind: ClassVar[str] = "shutdown"
+
+
+_NOTICES: dict[str, Any] = {
+    cls.kind: cls
+    for cls in (ReclaimNotice, RevokedNotice, SleepNotice, SleepCancelledNotice, WakeNotice,
+                LimitNotice, ShutdownNotice)  # fmt: skip
+}
+
+
+def parse_notice(body: dict[str, Any]) -> Notice:
+    """The typed notice of a handle-channel frame; ``BadRequest`` for anything malformed."""
+    kind = body.get("notice")
+    cls = _NOTICES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise BadRequest(f"unknown notice {str(kind)[:64]!r}")
+    if cls is ShutdownNotice:
+        return ShutdownNotice()
+    return cls.parse(Args(body.get("args")))
+
+
+def parse_grant_pages(raw: object) -> list[list[Any]]:
+    """Check a grant's ``pages`` field: ``[[lp, [page ids]], ...]`` of non-negative integers."""
+    if not isinstance(raw, list):
+        raise BadRequest("grant pages must be a list")
+    for item in raw:
+        if (
+            not isinstance(item, list) or len(item) != 2 or not _is_index(item[0])
+            or not isinstance(item[1], list) or not all(_is_index(p) for p in item[1])
+        ):  # fmt: skip
+            raise BadRequest(f"malformed grant entry {str(item)[:64]}")
+    return raw
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

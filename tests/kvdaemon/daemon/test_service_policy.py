@@ -1,0 +1,140 @@
+"""The service's policies driven by its injected clock: grow ranges, reclaim escalation,
+the sleep exchange's decisions, the idle policy, and a request that hits a bug."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvdaemon.wire.protocol import decode, request
+
+from tests.conftest import PAGE_BYTES
+from tests.kvdaemon.daemon.test_service import NUM_PAGES, Harness
+
+
+@pytest.fixture
+def h() -> Iterator[Harness]:
+    harness = Harness(reclaim_wait_s=2.0, reclaim_escalate_s=0.25, sleep_timeout_s=10.0)
+    yield harness
+    harness.backend.close()
+
+
+def grow(h: Harness, name: str, token: str, pages: list[int], **extra: Any) -> dict[str, Any]:
+    return h.call("grow", **h.auth(name, token, logical_pages=pages, **extra))
+
+
+def notices_to(h: Harness, reg: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [n["args"] for tid, n in h.leases.notices if tid == reg["tenant_id"] and n["notice"] == kind]
+
+
+def test_a_grow_grants_as_many_candidates_as_fit_at_least_its_minimum(h: Harness) -> None:
+    reg = h.register("a", max_bytes=6 * PAGE_BYTES)  # 3 logical pages of 2 segments
+    reply = grow(h, "a", reg["token"], [0, 1, 2, 3, 4], min_pages=1)
+    assert [lp for lp, _ in reply["result"]["pages"]] == [0, 1, 2]  # the limit's worth, in order
+    assert reply["result"]["max_bytes"] == 6 * PAGE_BYTES
+    assert grow(h, "a", reg["token"], [3], min_pages=1)["error"]["code"] == "OVER_LIMIT"
+    b = h.register("b")
+    # 10 pages free = 5 logical pages: a minimum of 6 is refused whole, 5 of 7 granted
+    assert grow(h, "b", b["token"], list(range(7)), min_pages=6, wait_s=0)["error"]["code"] == "NO_MEMORY"
+    assert h.ok("status")["free_bytes"] == 10 * PAGE_BYTES
+    assert len(grow(h, "b", b["token"], list(range(7)), min_pages=5)["result"]["pages"]) == 5
+    assert grow(h, "b", b["token"], [7], min_pages=2)["error"]["code"] == "BAD_REQUEST"
+    refused = {row["name"]: row["refused_grows"] for row in h.ok("status")["tenants"]}
+    assert refused == {"a": 1, "b": 1}
+
+
+def test_reclaim_escalates_with_the_clock(h: Harness) -> None:
+    a = h.register("a", sleepable=True)
+    b = h.register("b")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=[0, 1, 2, 3, 4, 5]))  # 12 of 16 pages
+    assert h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2]))) is None
+    # parked: a is asked at once for just the missing pages (6 wanted, 4 free)
+    assert notices_to(h, a, "reclaim") == [{"num_pages": 1}]
+    h.tick(0.2)
+    assert len(notices_to(h, a, "reclaim")) == 1 and h.replies == []
+    h.tick(0.1)  # past escalate_s: every victim asked for what is missing
+    assert len(notices_to(h, a, "reclaim")) == 2
+    h.tick(0.25)  # past twice that: the longest-idle quiescable victim is slept
+    assert [n["mode"] for n in notices_to(h, a, "sleep")] == ["warm"]
+    h.tick(1.5)  # past wait_s: refused
+    routing_id, payload = h.replies.pop()
+    assert routing_id == b"b" and decode(payload)["error"]["code"] == "NO_MEMORY"
+
+
+def test_reclaim_never_sleeps_a_tenant_that_cannot_quiesce(h: Harness) -> None:
+    a = h.register("a")  # sleepable defaults to False: a raw pool
+    b = h.register("b")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=list(range(6))))
+    h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2])))
+    for _ in range(8):
+        h.tick(0.3)
+    assert notices_to(h, a, "sleep") == []
+    assert decode(h.replies.pop()[1])["error"]["code"] == "NO_MEMORY"
+
+
+def test_a_grow_served_when_a_victim_returns_pages(h: Harness) -> None:
+    a = h.register("a")
+    b = h.register("b")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=list(range(6))))
+    h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2, 3], min_pages=3)))
+    h.ok("shrink", **h.auth("a", a["token"], logical_pages=[5]))
+    h.tick(0.01)
+    reply = decode(h.replies.pop()[1])
+    assert [lp for lp, _ in reply["result"]["pages"]] == [0, 1, 2]
+
+
+def test_sleep_ready_is_idempotent_and_refusal_changes_nothing(h: Harness) -> None:
+    reg = h.register("a", sleepable=True)
+    h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0]))
+    h.service.dispatch(b"cli", request(7, "sleep", {"name": "a", "mode": "warm"}))
+    sleep_id = notices_to(h, reg, "sleep")[-1]["sleep_id"]
+    first = h.ok("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id))
+    assert h.ok("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id)) == first  # a retry
+    assert decode(h.replies.pop()[1])["result"] == first
+    h.ok("wake", name="a")
+    h.service.dispatch(b"cli", request(8, "sleep", {"name": "a", "mode": "cold"}))
+    sleep_id = notices_to(h, reg, "sleep")[-1]["sleep_id"]
+    refused = h.ok("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id, refused=True))
+    assert refused["refused"] is True
+    assert decode(h.replies.pop()[1])["error"]["code"] == "CONFLICT"
+    row = h.ok("status")["tenants"][0]
+    assert (row["state"], row["mapped_bytes"], row["sleepable"]) == ("active", 2 * PAGE_BYTES, False)
+
+
+def test_sleep_and_wake_again_answer_with_the_state_and_cold_converts_warm(h: Harness) -> None:
+    reg = h.register("a")
+    h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0]))
+    assert h.ok("wake", name="a") == {"state": "active", "mapped_bytes": 2 * PAGE_BYTES, "already": True}
+    h.service.dispatch(b"cli", request(7, "sleep", {"name": "a", "mode": "warm"}))
+    h.ok("sleep_ready", **h.auth("a", reg["token"], sleep_id=notices_to(h, reg, "sleep")[-1]["sleep_id"]))
+    assert h.ok("sleep", name="a", mode="warm")["already"] is True
+    cold = h.ok("sleep", name="a", mode="cold")
+    assert (cold["state"], cold["host_bytes"]) == ("sleeping-cold", 0)
+    assert h.ok("wake", name="a")["mapped_bytes"] == 0
+
+
+def test_the_idle_policy_sleeps_only_quiescable_tenants(h: Harness) -> None:
+    h.service.config = type(h.service.config)(idle_sleep_s=60.0)
+    raw = h.register("raw")
+    engine = h.register("engine", sleepable=True)
+    h.tick(59.0)
+    assert h.leases.notices == []
+    h.tick(2.0)
+    assert notices_to(h, raw, "sleep") == [] and len(notices_to(h, engine, "sleep")) == 1
+
+
+def test_a_bug_in_one_request_is_internal_and_the_daemon_goes_on(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reg = h.register("a")
+
+    def broken(*_args: object) -> None:
+        raise IndexError("list index out of range")
+
+    monkeypatch.setitem(h.service._ops, "status", broken)
+    assert h.error("status") == "INTERNAL"
+    monkeypatch.undo()
+    assert h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0]))["pages"]
+    assert h.ok("status")["free_bytes"] == (NUM_PAGES - 2) * PAGE_BYTES
