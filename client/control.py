@@ -2,16 +2,23 @@
 
 Each request carries an id; its reply is matched by id. Three ways to wait:
 
-- ``call``: at most ``timeout_s``; then the socket is dropped (so no late reply
-  can be taken for another request) and ``NoReply`` raised. For requests whose
-  outcome the caller need not learn (status, hello) or may retry safely.
+- ``call``: at most ``timeout_s``, then ``NoReply``; its late reply will be
+  dropped (ids never repeat). Unless the channel ``keeps`` its socket, the
+  socket is dropped too, so a request still queued for a daemon that never
+  read it cannot reach the next daemon on that directory (an operator's
+  ``shutdown`` must not stop a later daemon). For requests whose outcome the
+  caller need not learn (status, hello) or may retry safely.
 - ``call_keep``: at most ``timeout_s``; then the request stays *outstanding*
   and ``NoReply`` carries its id. Its reply, when it comes, is kept for
   ``collect``: a grow the caller stopped waiting for is still adopted or given
   back, never lost.
-- ``call_until_answered``: as long as ``alive()`` says the daemon lives. For
-  the steps of an exchange whose answer decides what both sides do (a sleep):
-  a timeout is not a decision.
+- ``call_until_answered``: as long as the daemon lives. For the steps of an
+  exchange whose answer decides what both sides do (a sleep): a timeout is
+  not a decision.
+
+A channel may be given ``alive``, a cheap test that the daemon still lives (a
+lease's handle channel is open): every wait checks it each ``ALIVE_POLL_S`` and
+ends with ``DaemonUnreachable`` as soon as it fails, instead of at the timeout.
 
 Before the first connect the daemon's directory is checked (ours, 0700, not a
 symlink): a client never talks to a daemon another user could have planted.
@@ -37,15 +44,20 @@ from kvdaemon.wire.paths import DaemonPaths, check_private_dir
 from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, decode, request, result_of
 
 log = logging.getLogger("kvdaemon.client")
-ALIVE_POLL_S = 0.5  # how often ``call_until_answered`` checks that the daemon still lives
+ALIVE_POLL_S = 0.1  # how often a wait checks ``alive()``
 
 
 class ControlChannel:
     """Requests and replies to the daemon at ``paths`` (see the module docstring)."""
 
-    def __init__(self, paths: DaemonPaths, timeout_s: float) -> None:
+    def __init__(
+        self, paths: DaemonPaths, timeout_s: float, alive: Callable[[], bool] = lambda: True,
+        keep: bool = False,
+    ) -> None:
         self.paths = paths
         self.timeout_s = timeout_s
+        self.alive = alive
+        self.keep = keep  # a lease's channel: a slow reply must not cost outstanding grows
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._sock: zmq.Socket | None = None
@@ -89,7 +101,8 @@ class ControlChannel:
             request_id = self._send(op, args)
             reply = self._wait(request_id, self._deadline(timeout_s))
             if reply is None:
-                self._drop()
+                if not self.keep:
+                    self._drop()
                 raise self._no_reply(op, timeout_s)
             return result_of(reply)
 
@@ -105,17 +118,13 @@ class ControlChannel:
                 raise error
             return result_of(reply)
 
-    def call_until_answered(self, op: str, args: dict[str, Any], alive: Callable[[], bool]) -> Any:
+    def call_until_answered(self, op: str, args: dict[str, Any]) -> Any:
         """Send one request and wait for its reply while ``alive()``; ``DaemonUnreachable`` once not."""
         with self._lock:
             request_id = self._send(op, args)
-            while True:
-                reply = self._wait(request_id, time.monotonic() + ALIVE_POLL_S)
-                if reply is not None:
-                    return result_of(reply)
-                if not alive():
-                    self._drop()
-                    raise self.unreachable()
+            reply = self._wait(request_id, float("inf"))
+            assert reply is not None
+            return result_of(reply)
 
     def collect(self, request_id: int) -> dict[str, Any] | None:
         """The late reply to outstanding ``request_id`` if it has come (never blocks), else None."""
@@ -148,13 +157,21 @@ class ControlChannel:
         return request_id
 
     def _wait(self, request_id: int, deadline: float) -> dict[str, Any] | None:
-        """The reply to ``request_id`` by ``deadline``; others are kept (outstanding) or dropped."""
+        """The reply to ``request_id`` by ``deadline``; others are kept (outstanding) or dropped.
+
+        ``DaemonUnreachable`` (socket dropped) as soon as ``alive()`` fails.
+        """
         sock = self._sock
         assert sock is not None
         while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if not sock.poll(max(0, left_ms), zmq.POLLIN):
-                return None
+            left_s = deadline - time.monotonic()
+            if not sock.poll(int(max(0.0, min(left_s, ALIVE_POLL_S)) * 1000), zmq.POLLIN):
+                if not self.alive():
+                    self._drop()
+                    raise self.unreachable()
+                if left_s <= ALIVE_POLL_S:
+                    return None
+                continue
             message = decode(sock.recv())
             rid = message.get("id")
             if rid == request_id:

@@ -39,6 +39,7 @@ from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.protocol import result_of
 
 log = logging.getLogger("kvdaemon.client")
+DAEMON_WAIT_S = 2.0  # how long a daemon may park a grow by default (its reclaim_wait_s)
 Grant = dict[int, list[PhysicalPage]]
 """Granted pages: ``{logical page: [physical page of segment 0, 1, ...]}``."""
 
@@ -59,9 +60,9 @@ class Lease:
         self.page_size_bytes: int = reply["page_size"]
         self.num_segments: int = reply["num_segments"]
         self.limit: dict[str, Any] = dict(reply.get("limit") or {"max_bytes": reply.get("max_bytes")})
-        self.control = ControlChannel(paths, timeout_s)
-        self.on_notice: Callable[[Notice], None] | None = None
         self.lost = threading.Event()  # set when the handle channel closes under us
+        self.control = ControlChannel(paths, timeout_s, alive=lambda: not self.lost.is_set(), keep=True)
+        self.on_notice: Callable[[Notice], None] | None = None
         self.outstanding_grows: dict[int, list[int]] = {}  # request id -> candidate pages
         self._sock: socket.socket | None = None
         self._frames: dict[int, list[tuple[dict[str, Any], list[int]]]] = {}
@@ -195,7 +196,7 @@ class Lease:
         if wait_s is not None:
             args["wait_s"] = wait_s
         try:
-            reply = self.control.call_keep("grow", args, self.timeout_s + (wait_s or 2.0))
+            reply = self.control.call_keep("grow", args, self.timeout_s + (DAEMON_WAIT_S if wait_s is None else wait_s))
         except NoReply as exc:
             self.outstanding_grows[exc.request_id] = list(logical_pages)  # type: ignore[attr-defined]
             raise
@@ -243,7 +244,7 @@ class Lease:
         """Our answer to sleep ``sleep_id`` (pages unmapped, or ``refused``); waits for the
         daemon's decision while it lives: ``Conflict`` when it cancelled the sleep."""
         args = self._args(sleep_id=sleep_id, refused=refused)
-        return self.control.call_until_answered("sleep_ready", args, alive=lambda: not self.lost.is_set())
+        return self.control.call_until_answered("sleep_ready", args)
 
     # -- ending ----------------------------------------------------------------
 

@@ -13,7 +13,10 @@ under the views only while blocks need them:
   allocated. A grow the free pages cannot serve waits for other tenants to give
   pages back up to ``grow_wait_s`` (``None``: the daemon's 2 s; ``0``: refuse at once).
 - ``free(ids)`` returns blocks locally and never waits on the daemon; spare pages
-  past ``num_spare_pages`` go back from the pool's agent thread.
+  past ``num_spare_pages`` go back from the pool's agent thread at its next
+  tick (``HEARTBEAT_S``), so a page freed and taken again at once (a cache
+  eviction making room) never costs a round trip; pages the daemon asked back
+  go at once.
 - The agent answers the daemon (reclaim, sleep, wake, limit changes,
   revocation, restarts) even while the engine is idle; see ``client/README.md``
   for the threads, locks and hooks.
@@ -269,9 +272,9 @@ class KVPool:
                 core.sleeping_allocator.free(block_ids)
                 return
             core.allocator.free(block_ids)
-            excess = core.has_excess()
-        if excess:
-            self.agent.nudge()
+            owed = core.owed_pages > 0 and core.has_excess()
+        if owed:
+            self.agent.nudge()  # the daemon is waiting for these: now, not at the next tick
 
     def wake(self) -> None:
         """Wake this pool (its own lease asks the daemon); returns once its pages are mapped.

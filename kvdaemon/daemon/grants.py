@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvdaemon.cuda_vmm.backend import PhysicalPage
-from kvdaemon.daemon.page_pool import Owner, PagePool
+from kvdaemon.daemon.device_pages import Owner, DevicePages
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.tenant import Tenant, TenantState
 from kvdaemon.errors import Asleep, BackendError, BadRequest, Conflict, NoMemory, OverLimit
@@ -30,16 +30,16 @@ from kvdaemon.wire.messages import ReclaimNotice
 
 
 class Grants:
-    """Grow and shrink of tenants over one ``PagePool``."""
+    """Grow and shrink of tenants over one ``DevicePages``."""
 
     def __init__(
         self,
-        pool: PagePool,
+        pages: DevicePages,
         leases: LeasePort,
         on_grant: Callable[[float, int], None] | None = None,
         on_shrink: Callable[[int], None] | None = None,
     ) -> None:
-        self.pool = pool
+        self.pages = pages
         self.leases = leases
         self.on_grant = on_grant
         self.on_shrink = on_shrink
@@ -62,7 +62,7 @@ class Grants:
         owners = [
             Owner(tenant.tenant_id, seg, lp) for lp in wanted for seg in range(tenant.spec.num_segments)
         ]
-        pages = self.pool.alloc(owners)
+        pages = self.pages.alloc(owners)
         frames = self._export(pages)
         grant_id = self._next_grant_id
         self._next_grant_id += 1
@@ -104,11 +104,11 @@ class Grants:
                 f"logical page(s) of {tenant.logical_page_bytes} would pass its limit of "
                 f"{tenant.max_bytes}"
             )
-        by_free = self.pool.num_free // tenant.spec.num_segments
+        by_free = self.pages.num_free // tenant.spec.num_segments
         if by_free < min_pages:
             raise NoMemory(
                 f"{min_pages} logical page(s) need {min_pages * tenant.spec.num_segments} "
-                f"pages, {self.pool.num_free} free"
+                f"pages, {self.pages.num_free} free"
             )
         return min(len(candidates), by_limit, by_free)
 
@@ -121,13 +121,13 @@ class Grants:
         frames: list[tuple[int, list[int], list[int]]] = []
         try:
             for start in range(0, len(pages), MAX_FDS_PER_FRAME):
-                fds, fd_index = self.pool.backend.export_pages(pages[start : start + MAX_FDS_PER_FRAME])
+                fds, fd_index = self.pages.backend.export_pages(pages[start : start + MAX_FDS_PER_FRAME])
                 frames.append((start, fds, fd_index))
         except BackendError:
             for _, fds, _ in frames:
                 for fd in fds:
                     os.close(fd)
-            self.pool.free([p.page_id for p in pages])
+            self.pages.free([p.page_id for p in pages])
             raise
         return frames
 
@@ -137,7 +137,7 @@ class Grants:
         if missing:
             raise BadRequest(f"logical pages {missing[:8]} are not mapped for {tenant.name!r}")
         for lp in wanted:
-            self.pool.free([p.page_id for p in tenant.logical[lp]])
+            self.pages.free([p.page_id for p in tenant.logical[lp]])
             del tenant.logical[lp]
         tenant.touch(now)
         if self.on_shrink is not None:
@@ -148,7 +148,7 @@ class Grants:
         """Give every page ``tenant`` holds back to the pool; return how many went."""
         num_pages = 0
         for pages in tenant.logical.values():
-            self.pool.free([p.page_id for p in pages])
+            self.pages.free([p.page_id for p in pages])
             num_pages += len(pages)
         tenant.logical.clear()
         return num_pages

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdaemon.daemon.grants import Grants
-from kvdaemon.daemon.page_pool import PagePool
+from kvdaemon.daemon.device_pages import DevicePages
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reply import PendingReply
 from kvdaemon.daemon.sleep import Sleeper
@@ -60,11 +60,11 @@ class Reclaimer:
     """Parked grows and the reclaim steps that serve them (see the module docstring)."""
 
     def __init__(
-        self, tenants: Tenants, pool: PagePool, grants: Grants, leases: LeasePort,
+        self, tenants: Tenants, pages: DevicePages, grants: Grants, leases: LeasePort,
         sleeper: Sleeper, *, wait_s: float, escalate_s: float, sleep_victims: bool = True,
     ) -> None:
         self.tenants = tenants
-        self.pool = pool
+        self.pages = pages
         self.grants = grants
         self.leases = leases
         self.sleeper = sleeper
@@ -94,7 +94,7 @@ class Reclaimer:
         return True
 
     def _short(self, tenant: Tenant, min_pages: int) -> int:
-        return min_pages * tenant.spec.num_segments - self.pool.num_free
+        return min_pages * tenant.spec.num_segments - self.pages.num_free
 
     def _ask(self, victims: list[tuple[Tenant, int]], short: int, stop_when_covered: bool) -> None:
         """Send reclaim notices for ``short`` pages, best victim first."""

@@ -1,4 +1,4 @@
-"""The daemon's ops: tenants, grants and limits over one page pool, without sockets.
+"""The daemon's ops: tenants, grants and limits over the device's pages, without sockets.
 
 ``Service.dispatch`` is the one place a request becomes a reply: it decodes,
 finds the op, runs it, and maps every ``KVDaemonError`` to its wire code; any
@@ -36,7 +36,7 @@ from kvdaemon.cuda_vmm.backend import Backend
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.limits import MAX_WEIGHT, apply_limit
-from kvdaemon.daemon.page_pool import Owner, PagePool
+from kvdaemon.daemon.device_pages import Owner, DevicePages
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reclaim import Reclaimer
 from kvdaemon.daemon.reply import Call, PendingReply, ReplySink
@@ -68,7 +68,7 @@ class Service:
     ) -> None:
         self.config = config if config is not None else DaemonConfig()
         self.backend = backend
-        self.pool = PagePool(backend)
+        self.pages = DevicePages(backend)
         self.leases = leases
         self.sink = sink
         self.clock = clock
@@ -76,10 +76,10 @@ class Service:
         self.tenants = Tenants()
         self.shutdown_requested = False
         self.started_at = clock()
-        self.grants = Grants(self.pool, leases, on_grant, on_shrink)
+        self.grants = Grants(self.pages, leases, on_grant, on_shrink)
         self.sleeper = Sleeper(self.tenants, self.grants, backend, leases, self.config.sleep_timeout_s)
         self.reclaimer = Reclaimer(
-            self.tenants, self.pool, self.grants, leases, self.sleeper,
+            self.tenants, self.pages, self.grants, leases, self.sleeper,
             wait_s=self.config.reclaim_wait_s, escalate_s=self.config.reclaim_escalate_s,
             sleep_victims=self.config.reclaim_sleep,
         )
@@ -146,13 +146,13 @@ class Service:
         return {
             "version": PROTOCOL_VERSION, "daemon_version": __version__, "pid": os.getpid(),
             "backend": self.backend.name, "device": self.backend.device,
-            "page_size": self.pool.page_size_bytes, "capacity_bytes": self.pool.capacity_bytes,
+            "page_size": self.pages.page_size_bytes, "capacity_bytes": self.pages.capacity_bytes,
         }
 
     def op_register(self, args: Args, call: Call) -> dict[str, Any]:
         name = check_name(args.str("name"))
         spec = WireSpec.parse(args.map("spec"))
-        capacity = self.pool.capacity_bytes
+        capacity = self.pages.capacity_bytes
         num_virtual_pages = args.int("num_virtual_pages", 1, 1 << 24)
         max_bytes = args.opt_int("max_bytes", 0, MAX_INT)
         max_bytes = capacity if max_bytes is None else min(max_bytes, capacity)
@@ -171,7 +171,7 @@ class Service:
             )
         tenant = Tenant(
             tenant_id=self.tenants.next_id(), name=name, token=secrets.token_hex(16), pid=pid,
-            spec=spec, page_size_bytes=self.pool.page_size_bytes,
+            spec=spec, page_size_bytes=self.pages.page_size_bytes,
             num_virtual_pages=num_virtual_pages, max_bytes=max_bytes, min_bytes=min_bytes,
             weight=weight, registered_at=self.clock(), sleepable=sleepable,
         )
@@ -180,7 +180,7 @@ class Service:
                  name, tenant.tenant_id, pid, spec.num_segments, max_bytes)  # fmt: skip
         return {
             "tenant_id": tenant.tenant_id, "token": tenant.token,
-            "page_size": self.pool.page_size_bytes, "num_segments": spec.num_segments,
+            "page_size": self.pages.page_size_bytes, "num_segments": spec.num_segments,
             "backend": self.backend.name, "max_bytes": max_bytes, "limit": tenant.limits(),
         }
 
@@ -218,7 +218,7 @@ class Service:
         if args.has("sleepable"):
             tenant.sleepable = args.bool("sleepable")
         return {"state": tenant.state.value, "max_bytes": tenant.max_bytes,
-                "free_bytes": self.pool.free_bytes}  # fmt: skip
+                "free_bytes": self.pages.free_bytes}  # fmt: skip
 
     def op_unregister(self, args: Args, _call: Call) -> dict[str, Any]:
         tenant = self._authenticated(args)
@@ -232,7 +232,7 @@ class Service:
     def op_set_limit(self, args: Args, _call: Call) -> dict[str, Any]:
         tenant = self._by_name(args)
         others = self.tenants.guaranteed_bytes(other_than=tenant)
-        result = apply_limit(tenant, args, self.pool.capacity_bytes, others)
+        result = apply_limit(tenant, args, self.pages.capacity_bytes, others)
         if result["changed"]:
             notify(self.leases, tenant.tenant_id, LimitNotice(**tenant.limits()))
             self.grants.ask_back_excess(tenant)
@@ -305,25 +305,25 @@ class Service:
             "pid": os.getpid(),
             "version": __version__,
             "uptime_seconds": round(now - self.started_at, 3),
-            "page_size": self.pool.page_size_bytes,
-            "capacity_bytes": self.pool.capacity_bytes,
-            "free_bytes": self.pool.free_bytes,
+            "page_size": self.pages.page_size_bytes,
+            "capacity_bytes": self.pages.capacity_bytes,
+            "free_bytes": self.pages.free_bytes,
             "host_bytes": sum(int(t["host_bytes"]) for t in tenants),
             "counters": {**self.reclaimer.stats(), **self.sleeper.stats()},
             "tenants": tenants,
         }
 
     def check_invariants(self) -> None:
-        """Assert DESIGN.md §4 invariants 1-3 over the pool and every tenant."""
-        self.pool.check()
+        """Assert DESIGN.md §4 invariants 1-3 over the device pages and every tenant."""
+        self.pages.check()
         mapped = 0
         for tenant in self.tenants:
             for lp, pages in tenant.logical.items():
                 assert len(pages) == tenant.spec.num_segments
                 for seg, page in enumerate(pages):
-                    assert self.pool.owner(page.page_id) == Owner(tenant.tenant_id, seg, lp)
+                    assert self.pages.owner(page.page_id) == Owner(tenant.tenant_id, seg, lp)
             mapped += tenant.mapped_bytes
-        assert mapped + self.pool.free_bytes == self.pool.capacity_bytes, "bytes lost"
+        assert mapped + self.pages.free_bytes == self.pages.capacity_bytes, "bytes lost"
 
 
 def _same_token(given: str, expected: str) -> bool:

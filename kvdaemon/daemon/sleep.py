@@ -47,7 +47,7 @@ MAX_CACHED_BUFFER_BYTES = 2 << 30  # host memory kept for the next warm sleep, a
 
 
 class Sleeper:
-    """Sleep and wake over a pool's grants and the tenants' leases (see the module docstring)."""
+    """Sleep and wake over the grants and the tenants' leases (see the module docstring)."""
 
     def __init__(
         self, tenants: Tenants, grants: Grants, backend: Backend, leases: LeasePort, timeout_s: float
@@ -61,7 +61,7 @@ class Sleeper:
         self.num_sleeps = 0
         self.num_wakes = 0
         self.buffers = swap.BufferCache(
-            min(grants.pool.capacity_bytes, MAX_CACHED_BUFFER_BYTES), backend
+            min(grants.pages.capacity_bytes, MAX_CACHED_BUFFER_BYTES), backend
         )
 
     def begin(

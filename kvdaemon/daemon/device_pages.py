@@ -1,6 +1,6 @@
-"""The physical page pool of one device.
+"""The physical pages of one device: a free stack and who owns each page.
 
-The pool hands out page ids in ``[0, num_pages)`` and creates the backend page
+``DevicePages`` hands out page ids in ``[0, num_pages)`` and creates the backend page
 only when it is granted (on CUDA that is when device memory is taken), and
 releases it when it comes back.
 
@@ -21,7 +21,7 @@ from typing import NamedTuple
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.errors import BackendError, NoMemory
 
-log = logging.getLogger("kvdaemon.daemon.page_pool")
+log = logging.getLogger("kvdaemon.daemon.device_pages")
 
 
 class Owner(NamedTuple):
@@ -32,7 +32,7 @@ class Owner(NamedTuple):
     logical_page: int
 
 
-class PagePool:
+class DevicePages:
     """Free stack and owner table over a started backend's ``num_pages`` pages."""
 
     def __init__(self, backend: Backend) -> None:

@@ -1,0 +1,281 @@
+"""Faults between a pool and its daemon: stops, slow replies, outages, pools that cannot quiesce.
+
+Each test is the regression test of one item of issue #10; each failed before its fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted
+from kvdaemon.client.pool_state import PoolState
+from kvdaemon.daemon import swap
+from kvdaemon.errors import Conflict, DaemonUnreachable, NoReply
+
+from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, short_dir, start_daemon, wait_until
+
+SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes
+LOGICAL = SPEC.num_segments * PAGE_BYTES
+
+
+def pattern(pool: KVPool, blocks: list[int], seed: int) -> None:
+    """Write a pattern unique to (block, seed) into K and V of every block."""
+    for block in blocks:
+        pool.key_cache(0)[block] = float((block * 7 + seed) % 1000)
+        pool.value_cache(0)[block] = -float((block * 7 + seed) % 1000)
+
+
+def intact(pool: KVPool, blocks: list[int], seed: int) -> bool:
+    return all(
+        bool((pool.key_cache(0)[b] == float((b * 7 + seed) % 1000)).all())
+        and bool((pool.value_cache(0)[b] == -float((b * 7 + seed) % 1000)).all())
+        for b in blocks
+    )
+
+
+def row(client: KVClient, name: str) -> dict[str, Any]:
+    return next(t for t in client.status()["tenants"] if t["name"] == name)
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    path = short_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# -- item 1: a stop never zeroes a live tenant's KV -------------------------------------
+
+
+def test_a_graceful_stop_keeps_every_byte_and_the_next_daemon_takes_them_back(root: Path) -> None:
+    first = start_daemon(root)
+    client = KVClient(root)
+    pool = client.register("a", SPEC, num_prefetch_pages=0)
+    blocks = pool.alloc(2 * BLOCKS_PER_PAGE + 3)
+    pattern(pool, blocks, seed=1)
+    try:
+        client.shutdown()
+        first.wait(30)
+        wait_until(lambda: pool.state is PoolState.DETACHED, 5, "the pool did not notice the stop")
+        assert intact(pool, blocks, seed=1), "the stop zeroed the tenant's KV"
+        second = start_daemon(root)
+        wait_until(lambda: pool.state is PoolState.ACTIVE and any(
+            t["name"] == "a" for t in client.status()["tenants"]), 15, "no re-registration")
+        assert intact(pool, blocks, seed=1) and pool.num_block_losses == 0
+        assert row(client, "a")["mapped_bytes"] == pool.mapped_bytes
+        pool.close()
+        client.shutdown()
+        second.wait(30)
+    finally:
+        client.close()
+        for proc in (first, locals().get("second")):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+
+
+def test_a_loop_that_dies_releases_no_page_a_tenant_maps(monkeypatch: pytest.MonkeyPatch) -> None:
+    with running_daemon("64MiB") as kvd:
+        client = kvd.client()
+        pool = client.register("a", SPEC, num_prefetch_pages=0)
+        blocks = pool.alloc(BLOCKS_PER_PAGE + 1)
+        pattern(pool, blocks, seed=2)
+
+        def broken() -> None:
+            raise RuntimeError("a bug in the loop")
+
+        monkeypatch.setattr(kvd.daemon.leases, "close_dead", broken)
+        kvd.thread.join(10)  # the loop ends on the exception, through its shutdown path
+        assert not kvd.thread.is_alive()
+        wait_until(lambda: pool.lease.lost.is_set(), 5, "the lease did not end")
+        assert intact(pool, blocks, seed=2)
+        pool.close()
+        client.close()
+
+
+# -- item 2: a slow sleep is decided by the daemon alone ----------------------------------
+
+
+def test_a_sleep_slower_than_the_clients_timeout_ends_in_one_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_save = swap.save
+
+    def slow_save(*args: Any) -> Any:
+        time.sleep(1.5)  # a large warm save: three times the client's control timeout
+        return real_save(*args)
+
+    monkeypatch.setattr(swap, "save", slow_save)
+    with running_daemon("64MiB") as kvd:
+        client = KVClient(kvd.dir, timeout_s=0.5)
+        pool = client.register("a", SPEC, num_prefetch_pages=0)
+        blocks = pool.alloc(BLOCKS_PER_PAGE + 1)
+        pattern(pool, blocks, seed=3)
+        result = client.sleep("a", "warm")
+        assert result["state"] == "sleeping-warm"
+        assert pool.state is PoolState.ASLEEP_WARM and pool.mapped_bytes == 0
+        other = kvd.client().register("b", SPEC, num_prefetch_pages=0)
+        taken = other.alloc(4 * BLOCKS_PER_PAGE)  # the freed pages go to another tenant
+        pattern(other, taken, seed=4)
+        other.close()
+        client.wake("a")
+        assert intact(pool, blocks, seed=3), "the sleeper lost its KV"
+        kvd.check_invariants()
+        pool.close()
+        client.close()
+
+
+# -- item 3: a grow answered after its caller gave up is adopted -------------------------
+
+
+def test_a_late_grant_is_adopted_and_alloc_raises_only_exhaustion_or_unreachable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with running_daemon("64MiB") as kvd:
+        client = KVClient(kvd.dir, timeout_s=0.5)
+        pool = client.register("a", SPEC, num_prefetch_pages=0, grow_wait_s=0)
+        grants = kvd.daemon.service.grants
+        real_grow = grants.grow
+        stalls = [1.5]
+
+        def stalled_grow(*args: Any) -> Any:
+            if stalls:
+                time.sleep(stalls.pop())  # the daemon stalls mid-grow (as under SIGSTOP)
+            return real_grow(*args)
+
+        monkeypatch.setattr(grants, "grow", stalled_grow)
+        with pytest.raises(NoReply):
+            pool.alloc(BLOCKS_PER_PAGE)
+        observer = kvd.client()
+        wait_until(lambda: row(observer, "a")["mapped_bytes"] == LOGICAL, 10, "the late grant never came")
+        blocks = pool.alloc(BLOCKS_PER_PAGE)  # the late grant is adopted, not "already mapped"
+        more = pool.alloc(BLOCKS_PER_PAGE)
+        assert not set(blocks) & set(more)
+        pool.agent.nudge()  # a late reply still in flight is adopted by the agent
+        wait_until(lambda: not pool.lease.outstanding_grows, 5, "the late grant was never collected")
+        with pool.core.lock:
+            assert row(observer, "a")["mapped_bytes"] == pool.mapped_bytes
+        kvd.check_invariants()
+        pool.close()
+        assert observer.status()["free_bytes"] == observer.status()["capacity_bytes"]
+        observer.close()
+        client.close()
+
+
+# -- items 4 and 5: frees during an outage, reconciled after the restart ----------------
+
+
+def test_frees_during_an_outage_are_local_and_reconciled_after_the_restart(root: Path) -> None:
+    first = start_daemon(root)
+    client = KVClient(root)
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    blocks = pool.alloc(4 * BLOCKS_PER_PAGE)
+    pattern(pool, blocks[:BLOCKS_PER_PAGE], seed=5)
+    try:
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
+        pool.free(blocks[BLOCKS_PER_PAGE:])  # no daemon: local, no error, no wait
+        second = start_daemon(root)
+        wait_until(lambda: pool.state is PoolState.ACTIVE and any(
+            t["name"] == "a" for t in client.status()["tenants"]), 15, "no re-registration")
+        pool.agent.nudge()
+        wait_until(lambda: row(client, "a")["mapped_bytes"] == LOGICAL, 5, "the empty pages stayed charged")
+        with pool.core.lock:
+            assert row(client, "a")["mapped_bytes"] == pool.mapped_bytes
+        assert intact(pool, blocks[:BLOCKS_PER_PAGE], seed=5)
+        again = pool.alloc(3 * BLOCKS_PER_PAGE)  # no PoolExhausted, no "not mapped"
+        pool.free(again)
+        pool.close()
+        status = client.status()
+        assert status["tenants"] == [] and status["free_bytes"] == status["capacity_bytes"]
+        client.shutdown()
+        second.wait(30)
+    finally:
+        client.close()
+        for proc in (first, locals().get("second")):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+
+
+# -- item 6: a pool that cannot quiesce is never unmapped under its user ------------------
+
+
+def test_reclaim_and_operators_never_sleep_a_pool_without_a_quiesce_hook() -> None:
+    with running_daemon("64MiB", reclaim_escalate_s=0.02, reclaim_wait_s=0.5) as kvd:
+        client = kvd.client()
+        raw = client.register("raw", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+        held = raw.alloc(16 * BLOCKS_PER_PAGE)  # everything, all live
+        pattern(raw, held, seed=6)
+        grower = client.register("grower", SPEC, num_prefetch_pages=0)
+        with pytest.raises(PoolExhausted):
+            grower.alloc(BLOCKS_PER_PAGE)
+        admin = kvd.client()
+        with pytest.raises(Conflict, match="quiesce hook"):
+            admin.sleep("raw")
+        assert raw.state is PoolState.ACTIVE and row(admin, "raw")["state"] == "active"
+        assert intact(raw, held, seed=6)
+        assert admin.status()["counters"]["victims_slept"] == 0
+        for pool in (raw, grower):
+            pool.close()
+        admin.close()
+        client.close()
+
+
+# -- item 15: a closed pool, a closed client, and a hook that raises ----------------------
+
+
+def test_a_closed_pool_and_client_say_so_on_every_method(kvd: RunningDaemon) -> None:
+    from kvdaemon.errors import BadRequest, PoolClosed
+
+    client = kvd.client()
+    pool = client.register("a", SPEC)
+    with pytest.raises(BadRequest, match=r"0\.\.0"):
+        pool.key_cache(99)
+    with pytest.raises(TypeError, match="list of block ids"):
+        pool.free(3)  # type: ignore[arg-type]
+    pool.close()
+    pool.close()  # idempotent
+    for call in (lambda: pool.alloc(1), lambda: pool.key_cache(0), lambda: pool.value_cache(0),
+                 lambda: pool.free([0]), lambda: pool.copy_blocks([0], [1])):  # fmt: skip
+        with pytest.raises(PoolClosed):
+            call()
+    client.close()
+    with pytest.raises(PoolClosed):
+        client.register("b", SPEC)
+    with pytest.raises(PoolClosed):
+        client.status()
+
+
+def test_the_agent_survives_a_hook_that_raises(kvd: RunningDaemon, caplog: pytest.LogCaptureFixture) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    blocks = pool.alloc(2 * BLOCKS_PER_PAGE)
+
+    def broken_hook(_num_blocks: int) -> int:
+        raise ValueError("the engine's eviction failed")
+
+    pool.reclaim_hook = broken_hook
+    with caplog.at_level(logging.ERROR, logger="kvdaemon.client.pool"):
+        client.set_limit("a", max_bytes=LOGICAL)  # asks a page back: the hook runs and raises
+        wait_until(lambda: "carries on" in caplog.text, 5, "the hook's failure was not logged")
+    pool.quiesce_hook = lambda: None
+    assert client.sleep("a", "warm")["state"] == "sleeping-warm"  # the agent still answers
+    client.wake("a")
+    pool.free(blocks)
+    pool.close()
+    client.close()
+
+
+@pytest.fixture
+def kvd() -> Iterator[RunningDaemon]:
+    with running_daemon("64MiB") as running:
+        yield running
