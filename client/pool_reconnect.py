@@ -41,6 +41,7 @@ def try_reconnect(core: PoolCore, relink: Callable[[], Lease]) -> bool:
     except KVDaemonError as exc:
         log.debug("pool %s: no new daemon yet: %s", core.name, exc)
         return False
+    lease.on_notice = core.lease.on_notice  # notices from now on reach the agent (queued till the move ends)
     if core.quiesce_hook is not None:
         core.quiesce_hook()
     try:
@@ -60,7 +61,7 @@ def try_reconnect(core: PoolCore, relink: Callable[[], Lease]) -> bool:
 def _move_pages(core: PoolCore, lease: Lease) -> None:
     """Grow the mapped logical pages from ``lease``, copy them over, switch leases (lock held)."""
     lps = sorted(core.segments.pages)
-    granted = lease.grow(lps, wait_s=0) if lps else {}
+    granted = lease.grow(lps) if lps else {}  # may wait while others give pages back
     staging = core.backend.reserve(core.page_bytes)
     try:
         for lp in lps:
@@ -69,7 +70,6 @@ def _move_pages(core: PoolCore, lease: Lease) -> None:
         core.backend.free_range(staging)
     core.backend.prune_imports()
     old, core.lease = core.lease, lease
-    lease.on_notice = old.on_notice
     old.abandon()
     core.pending_return.clear()  # the new daemon never granted those
     core.set_limit(lease.limit)

@@ -77,11 +77,11 @@ def kvd() -> Iterator[RunningDaemon]:
         yield running
 
 
-def start_daemon(root: Path) -> subprocess.Popen[bytes]:
+def start_daemon(root: Path, capacity: str = "64MiB", *flags: str) -> subprocess.Popen[bytes]:
     """A foreground daemon in a child process; returns once it answers."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvdaemon", "start", "--foreground", "--dir", str(root),
-         "--backend", "host", "--capacity", "64MiB"],
+         "--backend", "host", "--capacity", capacity, *flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     wait_until(lambda: answers(root), 30, "the daemon did not start")
