@@ -3,7 +3,11 @@
 One thread runs everything that changes state: it polls the ZeroMQ ROUTER
 (control), the handle channel (``LeaseTable``: listener and connections) and a
 wake-up pipe that ``stop()`` writes to. No client can stall the loop: replies
-that cannot go out are dropped, handle frames are buffered.
+that cannot go out are dropped, handle frames are buffered. One round of the
+loop serves at most ``CONTROL_BATCH`` requests (or ``CONTROL_BUDGET_S``) before
+it turns to the handle channel, and a request is unpacked within
+``REQUEST_LIMITS``, so a flooding client delays others by a bounded amount;
+ZeroMQ's ROUTER already takes requests from its peers in turn.
 
 Leases: a tenant's handle connection is its lease. When it reaches EOF (the
 engine exited or was killed), the tenant is removed and its pages freed in the
@@ -24,15 +28,20 @@ import zmq
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.cuda_vmm import open_backend
 from kvdaemon.errors import BadRequest
+from kvdaemon.daemon.log_throttle import LogThrottle
 from kvdaemon.daemon.lease_table import LeaseTable
 from kvdaemon.daemon.metrics import Metrics
 from kvdaemon.wire.paths import DaemonPaths
-from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, notice, reply_error
+from kvdaemon.wire.protocol import (
+    MAX_MESSAGE_BYTES, REQUEST_LIMITS, decode, notice, reply_error,
+)
 from kvdaemon.daemon.service import Service
 
 log = logging.getLogger("kvdaemon.daemon.server")
 ATTACH_TIMEOUT_S = 10.0
 POLL_MS = 100
+CONTROL_BATCH = 64
+CONTROL_BUDGET_S = 0.02
 
 
 class Daemon:
@@ -52,6 +61,7 @@ class Daemon:
         self._stopping = False
         self.attach_timeout_s = ATTACH_TIMEOUT_S
         self._next_expiry_check = 0.0
+        self.warnings = LogThrottle(log)
 
     # -- setup -----------------------------------------------------------------
 
@@ -127,12 +137,21 @@ class Daemon:
                 if time.monotonic() >= self._next_expiry_check:
                     self._next_expiry_check = time.monotonic() + POLL_MS / 1000
                     self._expire_unattached()
+                    self.warnings.flush()
         finally:
             self._shutdown()
 
     def _drain_control(self) -> None:
+        """Serve queued requests: at most ``CONTROL_BATCH`` of them or ``CONTROL_BUDGET_S``.
+
+        What is left stays queued (the next poll returns at once), so the handle
+        channel and the timers get their turn while a client floods.
+        """
         assert self._router is not None and self.service is not None
-        while True:
+        deadline = time.monotonic() + CONTROL_BUDGET_S
+        for _ in range(CONTROL_BATCH):
+            if time.monotonic() > deadline:
+                return
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -140,10 +159,14 @@ class Daemon:
             if len(frames) < 2:
                 continue
             routing_id = frames[0]
-            if len(frames) == 2:
-                reply = self.service.dispatch(routing_id, frames[1])
-            else:
+            if len(frames) != 2:
                 reply = reply_error(None, BadRequest("a request is exactly one frame"))
+            elif not REQUEST_LIMITS.admit_all(len(frames[1])) and (
+                refusal := _over_request_limits(frames[1])
+            ):
+                reply = reply_error(None, refusal)
+            else:
+                reply = self.service.dispatch(routing_id, frames[1])
             if reply is not None:
                 self._send_control(routing_id, reply)
             if self.service.reclaimer.parked:  # pages may have come back: serve waiting grows
@@ -162,7 +185,7 @@ class Daemon:
         try:
             self._router.send_multipart([routing_id, payload], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or its queue full: drop the reply
-            log.warning("could not reply to a client: %s", exc)
+            self.warnings.warning("reply", "could not reply to a client: %s", exc)
 
     # -- handle channel --------------------------------------------------------
 
@@ -239,8 +262,27 @@ class Daemon:
         self._wake_r = self._wake_w = -1
 
 
+def _over_request_limits(raw: bytes) -> BadRequest | None:
+    """The error for a request costlier to unpack than ``REQUEST_LIMITS`` allow, or None.
+
+    Only a request longer than the limits can be; it is unpacked here (the count
+    stops at the limits) and again by ``Service.dispatch``.
+    """
+    try:
+        decode(raw, REQUEST_LIMITS)
+    except BadRequest as exc:
+        return exc
+    return None
+
+
 def _raise_fd_limit() -> None:
-    """Lift the soft fd limit to the hard one: every page in flight is an fd (CUDA)."""
+    """Lift the soft fd limit to the hard one: every page in flight is an fd (CUDA).
+
+    The handle channel's fd budget (``lease_table.fd_budget``) keeps headroom under the result.
+    """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:  # e.g. a hard limit above the kernel's nr_open
+            log.warning("cannot raise the fd limit from %d to %d: %s", soft, hard, exc)
