@@ -131,34 +131,38 @@ class Lease:
             self.on_notice(notice)
 
     def receive_grant(self, grant_id: int, pages: list[list[Any]]) -> Grant:
-        """Import the fds of grant ``grant_id`` (``pages``: ``[[lp, [page ids]], ...]``)."""
+        """Import the fds of grant ``grant_id`` (``pages``: ``[[lp, [page ids]], ...]``, as a
+        grow's reply lists them; the frames must carry exactly those ids)."""
         pages = parse_grant_pages(pages)
-        page_ids = [pid for _, ids in pages for pid in ids]
-        imported = self._receive(grant_id, page_ids)
-        nseg = self.num_segments
-        return {lp: imported[i * nseg : (i + 1) * nseg] for i, (lp, _) in enumerate(pages)}
+        return self.receive_pages(grant_id, [lp for lp, _ in pages], [pid for _, ids in pages for pid in ids])
 
-    def _receive(self, grant_id: int, page_ids: list[int]) -> list[PhysicalPage]:
-        """Import grant ``grant_id``'s frames; on a bad frame nothing stays imported or open."""
+    def receive_pages(self, grant_id: int, logical_pages: list[int], page_ids: list[int] | None = None) -> Grant:
+        """Import grant ``grant_id``: one page per segment for each of ``logical_pages``, in order.
+
+        Without ``page_ids`` (a wake notice) the frames say which pages they carry.
+        On a bad frame nothing stays imported or open.
+        """
         if self._sock is None:
             raise KVDaemonError(f"tenant {self.name!r} is not attached")
-        frames = self._take_frames(grant_id, len(page_ids))
-        pages: list[PhysicalPage] = []
+        nseg = self.num_segments
+        frames = self._take_frames(grant_id, len(logical_pages) * nseg)
+        imported: list[PhysicalPage] = []
         try:
             for i, (body, fds) in enumerate(frames):
                 ids, fd_index = body.get("page_ids"), body.get("fd_index")
-                expected = page_ids[len(pages) : len(pages) + len(ids or [])]
-                if not isinstance(ids, list) or not ids or ids != expected or not isinstance(fd_index, list):
+                if not isinstance(ids, list) or not ids or not isinstance(fd_index, list) or (
+                    page_ids is not None and ids != page_ids[len(imported) : len(imported) + len(ids)]
+                ):  # fmt: skip
                     raise BadRequest(f"handle channel out of step for grant {grant_id}")
                 frames[i] = (body, [])  # the backend owns the fds from here, even if it fails
-                pages.extend(self.backend.import_pages(fds, ids, fd_index))
+                imported.extend(self.backend.import_pages(fds, ids, fd_index))
         except KVDaemonError:
             for _, fds in frames:
                 close_fds(fds)
-            for page in pages:
+            for page in imported:
                 self.backend.release_page(page)
             raise
-        return pages
+        return {lp: imported[i * nseg : (i + 1) * nseg] for i, lp in enumerate(logical_pages)}
 
     def _take_frames(self, grant_id: int, num_pages: int) -> list[tuple[dict[str, Any], list[int]]]:
         """Wait (bounded by the timeout) until grant ``grant_id``'s frames cover ``num_pages``."""

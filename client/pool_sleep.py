@@ -84,7 +84,7 @@ def wake_pool(core: PoolCore, notice: WakeNotice) -> None:
         if not core.state.asleep:
             log.warning("pool %s: a wake notice while %s; ignored", core.name, core.state.value)
             return
-        granted = core.lease.receive_grant(notice.grant_id, notice.pages) if notice.pages else {}
+        granted = core.lease.receive_pages(notice.grant_id, notice.logical_pages) if notice.logical_pages else {}
         core.segments.map_all(granted)
         if core.state is PoolState.ASLEEP_WARM and core.sleeping_allocator is not None:
             core.allocator = core.sleeping_allocator

@@ -116,14 +116,15 @@ class Grants:
         """Export ``pages`` in frames of at most ``MAX_FDS_PER_FRAME`` pages.
 
         Returns ``(first page index, fds, fd index per page)`` per frame. On a
-        backend error the pages go back to the pool and no fd is left open.
+        backend error or an ``OSError`` (out of fds: ``EMFILE``) the pages go
+        back to the pool and no fd is left open.
         """
         frames: list[tuple[int, list[int], list[int]]] = []
         try:
             for start in range(0, len(pages), MAX_FDS_PER_FRAME):
                 fds, fd_index = self.pages.backend.export_pages(pages[start : start + MAX_FDS_PER_FRAME])
                 frames.append((start, fds, fd_index))
-        except BackendError:
+        except (BackendError, OSError):
             for _, fds, _ in frames:
                 for fd in fds:
                     os.close(fd)

@@ -9,39 +9,83 @@ A failed send only marks the connection dead: sends happen inside ops that hold
 the service lock, and ending a lease takes that lock, so the close waits for
 ``close_dead`` at the end of the loop iteration.
 
-Cost: O(1) per event, plus a scan of the connections in ``expire``.
+Hostile peers (same uid: anything else is refused at accept) are bounded:
+
+- fds: the kernel refuses fds sent to the daemon where it can; whatever arrives,
+  and every connection the table closes, is closed by an ``FdCloser`` thread,
+  never on the loop (the last close of a lingering socket blocks for seconds).
+- unread grants: the table holds at most ``fd_budget`` fds (connections, queued
+  and unread grant fds, fds waiting to be closed), set below the soft
+  ``RLIMIT_NOFILE`` with headroom for ZeroMQ and the backend. Over it, the lease
+  holding the most unread fds is revoked (told, closed, its pages freed); while
+  the rest alone is over it, no new connection is accepted.
+- silent connections: at most ``MAX_UNATTACHED`` wait to attach, and at most
+  ``MAX_UNATTACHED_PER_PID`` per peer pid. A new one that finds them full
+  evicts the oldest of the pid holding the most, so connections that never
+  speak cannot keep a new tenant out; an attach frame sent with the connect is
+  served at accept.
+- warnings any peer can trigger are rate-limited (``LogThrottle``).
+
+Cost: O(1) per event; O(leases) per grant frame to check the fd budget, plus
+a scan of the waiting connections per accept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import resource
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
+from kvdaemon.daemon.fd_closer import FdCloser
+from kvdaemon.daemon.log_throttle import LogThrottle
 from kvdaemon.errors import BadRequest, KVDaemonError
-from kvdaemon.wire.handles import Outbox, check_same_uid, close_fds, recv_frame
+from kvdaemon.wire.handles import (
+    Outbox, check_same_uid, close_fds, recv_frame, refuse_fds,
+)
+from kvdaemon.wire.protocol import REQUEST_LIMITS
 
 log = logging.getLogger("kvdaemon.leases")
 MAX_UNATTACHED = 256
+MAX_UNATTACHED_PER_PID = 16
+MAX_ACCEPTS_PER_ROUND = 64
+LISTEN_BACKLOG = 512
+FD_RESERVE_MIN = 256  # fds kept for ZeroMQ's connections, the backend, logs, metrics
 
 AttachFn = Callable[[str, str, int], int]
 EndLeaseFn = Callable[[int, str, bool], None]
 
 
+def fd_budget(soft_limit: int) -> int:
+    """The fds the handle channel may hold under ``soft_limit``.
+
+    A quarter of the limit, and at least ``FD_RESERVE_MIN`` fds, stay free for the
+    rest of the daemon; under a tiny limit, half.
+    """
+    return max(soft_limit // 2, soft_limit - max(FD_RESERVE_MIN, soft_limit // 4))
+
+
 @dataclass
 class Conn:
-    """One accepted handle connection; ``tenant_id`` is set once attached."""
+    """One accepted handle connection; ``tenant_id`` is set once attached.
+
+    ``closing`` is why the connection is being closed, once it is: nothing more
+    is queued to it.
+    """
 
     sock: socket.socket
     outbox: Outbox
     pid: int
     accepted_at: float = field(default_factory=time.monotonic)
     tenant_id: int | None = None
+    closing: str | None = None
 
 
 class LeaseTable:
@@ -56,66 +100,111 @@ class LeaseTable:
         self._attach_fn = attach
         self._end_lease = end_lease
         self._listener: socket.socket | None = None
+        self._accepting = False
         self.conns: dict[int, Conn] = {}
         self.leases: dict[int, Conn] = {}
+        self._waiting: dict[int, Conn] = {}  # unattached, oldest first
         self._dead: list[tuple[Conn, str]] = []
+        self._closer = FdCloser()
+        self.warnings = LogThrottle(log)
+        self.fds_refused = False  # whether the kernel refuses fds sent to us
+        self.fd_budget = 0  # set by ``bind`` from the soft RLIMIT_NOFILE
 
     def bind(self, path: str) -> int:
-        """Listen on ``path`` (the caller sets the umask and mode); return the listener's fd."""
+        """Listen on ``path`` (the caller sets the umask and mode); return the listener's fd.
+
+        Call after raising the soft ``RLIMIT_NOFILE``: the fd budget is derived from it.
+        """
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(path)
-        listener.listen(64)
+        self.fds_refused = refuse_fds(listener)
+        listener.listen(LISTEN_BACKLOG)
         listener.setblocking(False)
         self._listener = listener
-        self._poller.register(listener.fileno(), zmq.POLLIN)
+        self.fd_budget = fd_budget(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        self._closer.start()
+        self._set_accepting(True)
         return listener.fileno()
 
+    # -- accepting ---------------------------------------------------------------
+
     def accept(self) -> None:
-        """Accept every pending peer running as our uid, up to ``MAX_UNATTACHED`` waiting."""
+        """Accept pending peers running as our uid, at most ``MAX_ACCEPTS_PER_ROUND``."""
         assert self._listener is not None
-        while True:
+        for _ in range(MAX_ACCEPTS_PER_ROUND):
+            if self.num_held_fds() >= self.fd_budget:
+                self.warnings.warning("paused", "handle channel over its fd budget; not accepting")
+                self._set_accepting(False)
+                return
             try:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
                 return
             except OSError as exc:  # out of fds: refuse new peers, keep serving the rest
-                log.warning("cannot accept a handle connection: %s", exc)
+                self.warnings.warning("accept", "cannot accept a handle connection: %s", exc)
                 return
-            if sum(1 for c in self.conns.values() if c.tenant_id is None) >= MAX_UNATTACHED:
-                log.warning("too many unattached handle connections; refusing one")
-                sock.close()
-                continue
             try:
                 pid = check_same_uid(sock)
             except KVDaemonError as exc:
-                log.warning("refused handle connection: %s", exc)
-                sock.close()
+                self.warnings.warning("refused", "refused handle connection: %s", exc)
+                self._closer.close_socket(sock)
                 continue
             sock.setblocking(False)
-            self.conns[sock.fileno()] = Conn(sock, Outbox(sock), pid)
+            self._make_room(pid)
+            conn = Conn(sock, Outbox(sock), pid)
+            self.conns[sock.fileno()] = conn
+            self._waiting[sock.fileno()] = conn
             self._poller.register(sock.fileno(), zmq.POLLIN)
+            self._read(conn)  # an attach frame sent right after connect is served now
+
+    def _make_room(self, pid: int) -> None:
+        """Evict a waiting connection if ``pid``'s or everyone's quota of them is full."""
+        per_pid = Counter(conn.pid for conn in self._waiting.values())
+        if per_pid[pid] >= MAX_UNATTACHED_PER_PID:
+            hog = pid
+        elif len(self._waiting) >= MAX_UNATTACHED:
+            hog = max(per_pid, key=lambda p: per_pid[p])
+        else:
+            return
+        oldest = next(conn for conn in self._waiting.values() if conn.pid == hog)
+        self.warnings.warning(
+            "evicted", "too many handle connections waiting to attach; closed one of pid %d", hog
+        )
+        self.close(oldest, "evicted: too many connections waiting to attach")
+
+    def _set_accepting(self, accepting: bool) -> None:
+        if self._listener is None or accepting == self._accepting:
+            return
+        if accepting:
+            self._poller.register(self._listener.fileno(), zmq.POLLIN)
+        else:
+            self._poller.unregister(self._listener.fileno())
+        self._accepting = accepting
+
+    # -- reading -----------------------------------------------------------------
 
     def handle_events(self, events: dict[Any, int]) -> None:
         """Flush and read the connections the poller reported."""
-        for fd, conn in list(self.conns.items()):
-            flags = events.get(fd, 0)
+        for fd, flags in list(events.items()):
+            conn = self.conns.get(fd) if isinstance(fd, int) else None
+            if conn is None:
+                continue
             if flags & zmq.POLLOUT:
                 self.flush(conn)
-            if flags & (zmq.POLLIN | zmq.POLLERR):
+            if flags & (zmq.POLLIN | zmq.POLLERR) and conn.closing is None:
                 self._read(conn)
 
     def _read(self, conn: Conn) -> None:
         try:
-            body, fds = recv_frame(conn.sock)
+            body, fds = recv_frame(conn.sock, REQUEST_LIMITS, self._closer.close_fds)
         except BlockingIOError:
             return
         except (ConnectionError, OSError, KVDaemonError) as exc:
             self.close(conn, f"handle channel closed: {exc}")
             return
-        close_fds(fds)  # clients never send fds
+        self._closer.close_fds(fds)  # clients never send fds
         if conn.tenant_id is not None:
-            conn.outbox.push({"notice": "revoked", "args": {"why": "unexpected frame"}})
-            self.flush(conn)
+            self._revoke(conn, "unexpected frame")
             self.close(conn, "unexpected frame on an attached handle channel")
             return
         self._attach(conn, body)
@@ -132,52 +221,105 @@ class LeaseTable:
             self.close(conn, f"attach refused: {exc}")
             return
         conn.tenant_id = tenant_id
+        self._waiting.pop(conn.sock.fileno(), None)
         self.leases[tenant_id] = conn
         conn.outbox.push({"ok": True, "tenant_id": tenant_id})
         self.flush(conn)
+
+    # -- sending -----------------------------------------------------------------
 
     def flush(self, conn: Conn) -> None:
         """Send what the socket takes; watch for writability while frames remain."""
         try:
             done = conn.outbox.flush()
         except OSError as exc:
-            self._dead.append((conn, f"send failed: {exc}"))
+            self._mark_dead(conn, f"send failed: {exc}")
             return
         fd = conn.sock.fileno()
         if fd in self.conns:
             self._poller.register(fd, zmq.POLLIN if done else zmq.POLLIN | zmq.POLLOUT)
 
+    def num_held_fds(self) -> int:
+        """Fds the handle channel holds: connections, unread grant fds, fds being closed."""
+        unread = sum(conn.outbox.num_unread_fds for conn in self.leases.values())
+        return len(self.conns) + unread + self._closer.num_pending
+
+    def _bound_fds(self) -> None:
+        """Revoke the leases holding the most unread fds while over ``fd_budget``."""
+        if self.num_held_fds() <= self.fd_budget:
+            return
+        for conn in self.leases.values():
+            conn.outbox.refresh()  # count only what peers have not read by now
+        while self.num_held_fds() > self.fd_budget:
+            live = [conn for conn in self.leases.values() if conn.closing is None]
+            hog = max(live, key=lambda conn: conn.outbox.num_unread_fds, default=None)
+            if hog is None or hog.outbox.num_unread_fds == 0:
+                return
+            self._revoke(
+                hog, f"{hog.outbox.num_unread_fds} page fds unread, over the daemon's "
+                f"budget of {self.fd_budget}",
+            )
+
+    def _revoke(self, conn: Conn, why: str) -> None:
+        """Tell the peer its lease is revoked and close the connection after this loop round."""
+        self.warnings.warning("revoked", "revoked a lease of pid %d: %s", conn.pid, why)
+        conn.outbox.discard()  # grants it has not read: their fds close now
+        conn.outbox.push({"notice": "revoked", "args": {"why": why}})
+        self.flush(conn)
+        self._mark_dead(conn, f"revoked: {why}")
+
+    def _mark_dead(self, conn: Conn, why: str) -> None:
+        if conn.closing is None:
+            conn.closing = why
+            self._dead.append((conn, why))
+
+    # -- closing -----------------------------------------------------------------
+
     def close_dead(self) -> None:
-        """Close the connections whose sends failed during the last ops."""
+        """Close the connections whose sends failed during the last ops; resume accepting."""
         while self._dead:
             conn, why = self._dead.pop()
             self.close(conn, why)
+        if not self._accepting and self.num_held_fds() < self.fd_budget:
+            self._set_accepting(True)
 
     def close(self, conn: Conn, why: str, expired: bool = True) -> None:
-        """Close a connection; an attached one ends its tenant's lease."""
+        """Close a connection; an attached one ends its tenant's lease.
+
+        The peer sees EOF at once (``shutdown``); the socket itself is closed by
+        the closer thread, as its unread frames may hold fds whose release blocks.
+        """
         fd = conn.sock.fileno()
         if self.conns.pop(fd, None) is None:
             return
+        self._waiting.pop(fd, None)
+        conn.closing = conn.closing or why
         self._poller.unregister(fd)
         conn.outbox.discard()
-        conn.sock.close()
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        self._closer.close_socket(conn.sock)
         if conn.tenant_id is not None:
             self.leases.pop(conn.tenant_id, None)
             self._end_lease(conn.tenant_id, why, expired)
 
     def expire(self, now: float, timeout_s: float) -> None:
-        """Close connections that did not attach within ``timeout_s``."""
-        for conn in list(self.conns.values()):
-            if conn.tenant_id is None and now - conn.accepted_at > timeout_s:
-                self.close(conn, "no attach frame in time")
+        """Close connections that did not attach within ``timeout_s``; report counted warnings."""
+        for conn in list(self._waiting.values()):
+            if now - conn.accepted_at <= timeout_s:
+                break  # oldest first: the rest are younger
+            self.close(conn, "no attach frame in time")
+        self.warnings.flush()
 
     def close_all(self) -> None:
         """Close every connection and the listener (daemon shutdown: not lease expiries)."""
         for conn in list(self.conns.values()):
             self.close(conn, "daemon shutting down", expired=False)
         if self._listener is not None:
-            self._listener.close()
+            self._set_accepting(False)
+            self._closer.close_socket(self._listener)
             self._listener = None
+        self._closer.stop()
 
     # -- LeasePort (called by the service) -------------------------------------
 
@@ -186,12 +328,16 @@ class LeaseTable:
         fd_index: list[int],
     ) -> None:
         conn = self.leases[tenant_id]
+        if conn.closing is not None:  # revoked or dead: the frames could never be read
+            close_fds(fds)
+            return
         conn.outbox.push_grant(grant_id, page_ids, fds, fd_index)
         self.flush(conn)
+        self._bound_fds()
 
     def send_notice(self, tenant_id: int, body: dict[str, Any]) -> None:
         conn = self.leases.get(tenant_id)
-        if conn is not None:
+        if conn is not None and conn.closing is None:
             conn.outbox.push(body)
             self.flush(conn)
 

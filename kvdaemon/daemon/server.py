@@ -3,7 +3,11 @@
 One thread runs everything that changes state: it polls the ZeroMQ ROUTER
 (control), the handle channel (``LeaseTable``: listener and connections) and a
 wake-up pipe that ``stop()`` writes to. No client can stall the loop: replies
-that cannot go out are dropped, handle frames are buffered.
+that cannot go out are dropped, handle frames are buffered. One round of the
+loop serves at most ``CONTROL_BATCH`` requests (or ``CONTROL_BUDGET_S``) before
+it turns to the handle channel, and a request is unpacked within
+``REQUEST_LIMITS``, so a flooding client delays others by a bounded amount;
+ZeroMQ's ROUTER already takes requests from its peers in turn.
 
 Leases: a tenant's handle connection is its lease. When it reaches EOF (the
 engine exited or was killed), the tenant is removed and its pages freed in the
@@ -29,17 +33,20 @@ import zmq
 
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.cuda_vmm import open_backend
+from kvdaemon.daemon.lease_table import LeaseTable
+from kvdaemon.daemon.log_throttle import LogThrottle
+from kvdaemon.daemon.metrics import Metrics
 from kvdaemon.daemon.ports import notify
 from kvdaemon.errors import BadRequest, DaemonUnreachable
-from kvdaemon.daemon.lease_table import LeaseTable
-from kvdaemon.daemon.metrics import Metrics
-from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.messages import ShutdownNotice
+from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, reply_error
 from kvdaemon.daemon.service import Service
 
 log = logging.getLogger("kvdaemon.daemon.server")
 POLL_MS = 100
+CONTROL_BATCH = 64
+CONTROL_BUDGET_S = 0.02
 
 
 class Daemon:
@@ -59,6 +66,7 @@ class Daemon:
         self._stopping = False
         self._shutting_down = False  # leases closing now are not tenant deaths
         self._next_tick = 0.0
+        self.warnings = LogThrottle(log)
 
     # -- setup -----------------------------------------------------------------
 
@@ -101,6 +109,7 @@ class Daemon:
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.RCVHWM, 64)  # a flooding peer is held back by the kernel, not buffered here
         router.bind(self.paths.control_endpoint)
         os.chmod(self.paths.control_socket, 0o600)
         self._router = router
@@ -133,12 +142,21 @@ class Daemon:
                 if time.monotonic() >= self._next_tick:
                     self._next_tick = time.monotonic() + POLL_MS / 1000
                     self._tick()
+                    self.warnings.flush()
         finally:
             self._shutdown()
 
     def _drain_control(self) -> None:
+        """Serve queued requests: at most ``CONTROL_BATCH`` of them or ``CONTROL_BUDGET_S``.
+
+        What is left stays queued (the next poll returns at once), so the handle
+        channel and the timers get their turn while a client floods.
+        """
         assert self._router is not None and self.service is not None
-        while True:
+        deadline = time.monotonic() + CONTROL_BUDGET_S
+        for _ in range(CONTROL_BATCH):
+            if time.monotonic() > deadline:
+                return
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -146,10 +164,10 @@ class Daemon:
             if len(frames) < 2:
                 continue
             routing_id = frames[0]
-            if len(frames) == 2:
-                reply = self.service.dispatch(routing_id, frames[1])
-            else:
+            if len(frames) != 2:
                 reply = reply_error(None, BadRequest("a request is exactly one frame"))
+            else:
+                reply = self.service.dispatch(routing_id, frames[1])
             if reply is not None:
                 self._send_control(routing_id, reply)
             if self.service.reclaimer.parked:  # pages may have come back: serve waiting grows
@@ -161,7 +179,7 @@ class Daemon:
         try:
             self._router.send_multipart([routing_id, payload], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or its queue full: drop the reply
-            log.warning("could not reply to a client: %s", exc)
+            self.warnings.warning("reply", "could not reply to a client: %s", exc)
 
     # -- handle channel --------------------------------------------------------
 
@@ -237,7 +255,13 @@ class Daemon:
 
 
 def _raise_fd_limit() -> None:
-    """Lift the soft fd limit to the hard one: every page in flight is an fd (CUDA)."""
+    """Lift the soft fd limit to the hard one: every page in flight is an fd (CUDA).
+
+    The handle channel's fd budget (``lease_table.fd_budget``) keeps headroom under the result.
+    """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:  # e.g. a hard limit above the kernel's nr_open
+            log.warning("cannot raise the fd limit from %d to %d: %s", soft, hard, exc)

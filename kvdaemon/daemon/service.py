@@ -46,7 +46,9 @@ from kvdaemon.errors import (
     BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
 )
 from kvdaemon.wire.messages import SLEEP_MODES, LimitNotice
-from kvdaemon.wire.protocol import MAX_INT, PROTOCOL_VERSION, Args, decode, reply_error, reply_ok
+from kvdaemon.wire.protocol import (
+    MAX_INT, PROTOCOL_VERSION, REQUEST_LIMITS, Args, decode, reply_error, reply_ok,
+)
 
 log = logging.getLogger("kvdaemon.service")
 Clock = Callable[[], float]
@@ -101,7 +103,7 @@ class Service:
         """
         request_id: int | None = None
         try:
-            message = decode(raw)
+            message = decode(raw, REQUEST_LIMITS)  # the cost of one request is bounded
             rid = message.get("id")
             request_id = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
             op = message.get("op")

@@ -140,7 +140,8 @@ class Sleeper:
         tenant.state = TenantState.ACTIVE
         tenant.touch(now)
         self.num_wakes += 1
-        notify(self.leases, tenant.tenant_id, WakeNotice(mode, grant["grant_id"], grant["pages"]))
+        lps = [lp for lp, _ in grant["pages"]]
+        notify(self.leases, tenant.tenant_id, WakeNotice(mode, grant["grant_id"], lps))
         log.info("tenant %s is awake (%s)", tenant.name, mode)
         return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes}
 

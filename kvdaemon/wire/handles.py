@@ -6,23 +6,41 @@ message they belong to). Each frame is one msgpack map plus up to
 ``MAX_FDS_PER_FRAME`` fds. The connection is also the tenant's lease: the
 daemon treats its closing as the engine's death.
 
+Peers never send fds to the daemon. ``refuse_fds`` makes the kernel refuse
+them where it can (``SO_PASSRIGHTS``, Linux 6.16+); elsewhere the daemon receives
+whatever comes with room for ``SCM_MAX_FD`` fds (fds that do not fit are closed
+by the kernel in the receiving thread, which may block) and disposes of them
+off its loop.
+
+An ``Outbox`` counts the fds it holds and the fds sent that its peer has not
+read yet (``SIOCOUTQ``), so the daemon can bound what one peer keeps unread.
+
 Cost: one ``sendmsg``/``recvmsg`` per frame; the kernel installs each fd in the
 receiver (no copy of memory).
 """
 
 from __future__ import annotations
 
+import array
+import fcntl
 import os
 import socket
 import struct
+import termios
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from kvdaemon.errors import BadRequest, Forbidden
-from kvdaemon.wire.protocol import decode, encode
+from kvdaemon.wire.protocol import MESSAGE_LIMITS, DecodeLimits, decode, encode
 
 MAX_FDS_PER_FRAME = 200
 MAX_FRAME_BYTES = 64 * 1024
+SCM_MAX_FD = 253  # the most fds the kernel attaches to one message
+# SO_PASSRIGHTS has the asm-generic number on these; alpha, mips, parisc, sparc differ.
+_SO_PASSRIGHTS = getattr(socket, "SO_PASSRIGHTS", 83)
+_GENERIC_SOCKOPT_MACHINES = {"x86_64", "i686", "i386", "aarch64", "armv7l", "riscv64", "ppc64le",
+                             "s390x", "loongarch64"}
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -40,6 +58,23 @@ def check_same_uid(sock: socket.socket) -> int:
     return pid
 
 
+def refuse_fds(listener: socket.socket) -> bool:
+    """Make the kernel refuse fds sent to connections of ``listener``; True if it can.
+
+    With ``SO_PASSRIGHTS`` off, a peer's ``sendmsg`` with ``SCM_RIGHTS`` fails
+    with ``EPERM``; accepted sockets inherit it from the listener at connect
+    time, so even frames sent before ``accept`` are covered. Older kernels
+    answer ``ENOPROTOOPT``: the caller must then dispose of what arrives.
+    """
+    if os.uname().machine not in _GENERIC_SOCKOPT_MACHINES:
+        return False
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, _SO_PASSRIGHTS, 0)
+    except OSError:
+        return False
+    return True
+
+
 def send_frame(sock: socket.socket, body: dict[str, Any], fds: list[int] | None = None) -> None:
     """Send one frame (blocking socket). The fds stay open: the caller closes them."""
     data = encode(body)
@@ -49,22 +84,29 @@ def send_frame(sock: socket.socket, body: dict[str, Any], fds: list[int] | None 
         sock.sendall(data)
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    """Receive one frame: its body and the fds it carried (now owned by the caller).
+def recv_frame(
+    sock: socket.socket,
+    limits: DecodeLimits = MESSAGE_LIMITS,
+    dispose: Callable[[list[int]], None] | None = None,
+) -> tuple[dict[str, Any], list[int]]:
+    """Receive one frame: its body (decoded within ``limits``) and the fds it carried.
 
-    Raises ``ConnectionError`` on EOF and ``BadRequest`` on a truncated or
-    undecodable frame (closing any fds that came with it).
+    The fds are now owned by the caller. Raises ``ConnectionError`` on EOF and
+    ``BadRequest`` on a truncated or undecodable frame or one with more than
+    ``MAX_FDS_PER_FRAME`` fds, after handing its fds to ``dispose`` (default:
+    close them here).
     """
-    data, fds, flags, _ = socket.recv_fds(sock, MAX_FRAME_BYTES, MAX_FDS_PER_FRAME)
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_FRAME_BYTES, SCM_MAX_FD)
     if not data and not fds:
         raise ConnectionError("handle channel closed by peer")
-    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        close_fds(fds)
-        raise BadRequest("truncated handle frame")
     try:
-        return decode(data), fds
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise BadRequest("truncated handle frame")
+        if len(fds) > MAX_FDS_PER_FRAME:
+            raise BadRequest(f"a frame carries at most {MAX_FDS_PER_FRAME} fds, got {len(fds)}")
+        return decode(data, limits), fds
     except BadRequest:
-        close_fds(fds)
+        (dispose or close_fds)(fds)
         raise
 
 
@@ -79,11 +121,22 @@ class Outbox:
     ``push`` queues a frame and owns its fds until they are sent; ``flush``
     sends what the socket takes without blocking and returns True when the
     queue is empty. A slow or stuck client therefore never blocks the daemon.
+
+    ``num_unread_fds`` is the fds queued here plus those sent since the peer
+    was last seen to have read every frame: an upper bound on the fds this
+    peer holds up (queued fds are open in this process; sent, unread ones
+    count against the sending user's in-flight limit, ``RLIMIT_NOFILE``).
     """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._frames: deque[tuple[bytes, list[int]]] = deque()
+        self.num_queued_fds = 0
+        self.num_sent_fds = 0
+
+    @property
+    def num_unread_fds(self) -> int:
+        return self.num_queued_fds + self.num_sent_fds
 
     def push(self, body: dict[str, Any]) -> None:
         """Queue one frame without fds."""
@@ -95,11 +148,18 @@ class Outbox:
         """Queue one frame of a grant: pages, their fds, and which fd carries each page."""
         body = {"grant_id": grant_id, "page_ids": page_ids, "fd_index": fd_index}
         self._frames.append((encode(body), fds))
+        self.num_queued_fds += len(fds)
 
     def pending(self) -> bool:
         return bool(self._frames)
 
+    def refresh(self) -> None:
+        """Forget the sent fds once the peer has read every frame (one ``ioctl``)."""
+        if self.num_sent_fds and _unread_bytes(self.sock) == 0:
+            self.num_sent_fds = 0
+
     def flush(self) -> bool:
+        self.refresh()
         while self._frames:
             data, fds = self._frames[0]
             try:
@@ -111,8 +171,22 @@ class Outbox:
                 return False
             self._frames.popleft()
             close_fds(fds)
+            self.num_queued_fds -= len(fds)
+            self.num_sent_fds += len(fds)
         return True
 
     def discard(self) -> None:
+        """Drop every queued frame and close its fds (the connection is closing)."""
         while self._frames:
             close_fds(self._frames.popleft()[1])
+        self.num_queued_fds = self.num_sent_fds = 0
+
+
+def _unread_bytes(sock: socket.socket) -> int:
+    """Bytes sent on ``sock`` that its peer has not read (``SIOCOUTQ``); -1 if unknown."""
+    buf = array.array("i", [0])
+    try:
+        fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, buf)
+    except (OSError, ValueError):
+        return -1
+    return buf[0]

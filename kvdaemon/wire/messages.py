@@ -111,19 +111,23 @@ class SleepCancelledNotice(Notice):
 
 @dataclass(frozen=True)
 class WakeNotice(Notice):
-    """Awake again: map grant ``grant_id`` (``pages``: ``[[lp, [page ids]]]``) at the same addresses."""
+    """Awake again: map grant ``grant_id`` at ``logical_pages`` (the same addresses as before).
+
+    The grant's page ids travel in its own frames (at most ``MAX_FDS_PER_FRAME``
+    pages each), so this notice stays small however large the tenant is.
+    """
 
     kind: ClassVar[str] = "wake"
     mode: str
     grant_id: int
-    pages: list[list[Any]] = field(default_factory=list)
+    logical_pages: list[int] = field(default_factory=list)
 
     @classmethod
     def parse(cls, args: Args) -> WakeNotice:
         mode = args.str("mode", 8)
         if mode not in SLEEP_MODES:
             raise BadRequest(f"wake mode must be one of {SLEEP_MODES}, got {mode!r}")
-        return cls(mode, args.int("grant_id", 0), parse_grant_pages(args.raw("pages", [])))
+        return cls(mode, args.int("grant_id", 0), args.int_list("logical_pages", 0, MAX_INT))
 
 
 @dataclass(frozen=True)

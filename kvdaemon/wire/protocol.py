@@ -6,9 +6,10 @@ A request is a map ``{"id": int, "op": str, "args": map}``; its reply is
 A message the daemon sends on its own (a notice: ``shutdown``, ``reclaim``) is
 ``{"notice": str, "args": map}``.
 
-Decoding is bounded: a message is at most ``MAX_MESSAGE_BYTES`` and every
-string, array and map inside it has a length limit, so no message can make the
-daemon allocate much. Every field an op reads goes through ``Args``, which
+Decoding is bounded: a message is at most ``MAX_MESSAGE_BYTES``, every
+string, array and map inside it has a length limit, and ``DecodeLimits`` caps
+how many containers and items it may hold, so no message can make the daemon
+allocate much or spend long unpacking it. Every field an op reads goes through ``Args``, which
 raises ``BadRequest`` naming the field on a wrong type or range, so a handler
 validates everything before it changes anything.
 """
@@ -16,6 +17,7 @@ validates everything before it changes anything.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -25,8 +27,38 @@ from kvdaemon.errors import BadRequest, KVDaemonError, from_code
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_LIST_LEN = 1 << 16
+MAX_MAP_LEN = 256
 MAX_STR_LEN = 1024
 MAX_INT = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    """What one message may hold beyond its byte size.
+
+    ``max_containers`` bounds arrays plus maps, ``max_items`` their elements
+    (a map entry counts two). Unpacking costs about 0.3-0.5 us per container
+    and 25-50 ns per other object, so these bound a message's decode time, which
+    the byte cap alone does not (1 MiB of empty arrays is ~1M lists: ~0.5-1 s).
+    """
+
+    max_containers: int
+    max_items: int
+
+    def admit_all(self, num_bytes: int) -> bool:
+        """True when no message of ``num_bytes`` can pass these limits (objects take a byte)."""
+        return num_bytes <= min(self.max_containers, self.max_items)
+
+
+# Anything within the byte cap: replies, which the client decodes off the daemon's thread.
+MESSAGE_LIMITS = DecodeLimits(max_containers=MAX_MESSAGE_BYTES, max_items=MAX_MESSAGE_BYTES)
+# A request to the daemon (and a handle frame it reads): one list of up to
+# MAX_LIST_LEN ints and a few small maps need far less; decoding stays under ~5 ms.
+REQUEST_LIMITS = DecodeLimits(max_containers=4096, max_items=MAX_LIST_LEN + 4096)
+
+
+class _OverLimits(Exception):
+    """Raised inside msgpack's hooks to stop unpacking a message over its limits."""
 
 
 def encode(obj: object) -> bytes:
@@ -34,10 +66,18 @@ def encode(obj: object) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def decode(data: bytes) -> dict[str, Any]:
-    """Unpack one message with bounded sizes; raise ``BadRequest`` unless it is a map."""
+def decode(data: bytes, limits: DecodeLimits = MESSAGE_LIMITS) -> dict[str, Any]:
+    """Unpack one message within ``limits``; raise ``BadRequest`` unless it is a map.
+
+    Every object takes at least one byte, so a message no longer than both
+    limits is unpacked without counting (no overhead); a longer one is counted
+    by hooks that run once per container and stop the unpacking as soon as a
+    limit is passed. Cost: O(len(data)), and at most about one array of
+    ``MAX_LIST_LEN`` items past the limits before a refusal.
+    """
     if len(data) > MAX_MESSAGE_BYTES:
         raise BadRequest(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    hooks = {} if limits.admit_all(len(data)) else _counting_hooks(limits)
     try:
         obj = msgpack.unpackb(
             data,
@@ -46,14 +86,37 @@ def decode(data: bytes) -> dict[str, Any]:
             max_str_len=MAX_STR_LEN,
             max_bin_len=MAX_STR_LEN,
             max_array_len=MAX_LIST_LEN,
-            max_map_len=256,
+            max_map_len=MAX_MAP_LEN,
             max_ext_len=0,
+            **hooks,
         )
+    except _OverLimits as exc:
+        raise BadRequest(f"message too complex: {exc}") from None
     except (ValueError, msgpack.UnpackException, TypeError) as exc:
         raise BadRequest(f"undecodable message: {exc}") from exc
     if not isinstance(obj, dict):
         raise BadRequest(f"a message must be a map, got {type(obj).__name__}")
     return obj
+
+
+def _counting_hooks(limits: DecodeLimits) -> dict[str, Any]:
+    """msgpack ``list_hook``/``object_hook`` that count containers and items."""
+    num_containers = num_items = 0
+
+    def count(container: Any, num_new_items: int) -> Any:
+        nonlocal num_containers, num_items
+        num_containers += 1
+        num_items += num_new_items
+        if num_containers > limits.max_containers:
+            raise _OverLimits(f"more than {limits.max_containers} arrays and maps")
+        if num_items > limits.max_items:
+            raise _OverLimits(f"more than {limits.max_items} items")
+        return container
+
+    return {
+        "list_hook": lambda items: count(items, len(items)),
+        "object_hook": lambda entries: count(entries, 2 * len(entries)),
+    }
 
 
 def request(request_id: int, op: str, args: Mapping[str, Any]) -> bytes:

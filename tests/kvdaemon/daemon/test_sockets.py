@@ -21,6 +21,7 @@ import pytest
 import zmq
 
 from kvdaemon.client import KVClient
+from kvdaemon.daemon import lease_table
 from kvdaemon.wire.handles import recv_frame
 from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, decode, encode, request
 
@@ -231,6 +232,12 @@ def test_second_attach_to_a_tenant_conflicts(kvd: RunningDaemon, client: KVClien
     assert_daemon_serves(kvd)
 
 
+@pytest.fixture
+def fds_delivered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon lets fds arrive, as on kernels without SO_PASSRIGHTS (before Linux 6.16)."""
+    monkeypatch.setattr(lease_table, "refuse_fds", lambda listener: False)
+
+
 def send_with_pipe(sock: socket.socket, payload: bytes, copies: int = 1) -> int:
     """Send ``payload`` with ``copies`` of a pipe's write end; keep only the read end."""
     read_end, write_end = os.pipe()
@@ -251,6 +258,7 @@ FD_CASES: list[tuple[str, Callable[[str], bytes], int, str | None]] = [
 @pytest.mark.parametrize(
     "make_payload, copies, code", [c[1:] for c in FD_CASES], ids=[c[0] for c in FD_CASES]
 )
+@pytest.mark.usefixtures("fds_delivered")
 def test_fds_a_peer_sends_are_closed_by_the_daemon(
     kvd: RunningDaemon, client: KVClient, make_payload: Callable[[str], bytes], copies: int,
     code: str | None,
@@ -270,6 +278,7 @@ def test_fds_a_peer_sends_are_closed_by_the_daemon(
     assert_daemon_serves(kvd)
 
 
+@pytest.mark.usefixtures("fds_delivered")
 def test_fds_on_a_valid_attach_are_closed_and_the_attach_holds(
     kvd: RunningDaemon, client: KVClient
 ) -> None:
@@ -288,6 +297,7 @@ def test_fds_on_a_valid_attach_are_closed_and_the_attach_holds(
     assert_daemon_serves(kvd)
 
 
+@pytest.mark.usefixtures("fds_delivered")
 def test_an_extra_frame_on_an_attached_channel_ends_the_lease(
     kvd: RunningDaemon, client: KVClient
 ) -> None:
