@@ -262,6 +262,14 @@ class KVClient:
         if not self._open_pools:
             self._close_backend()
 
+    def close_all(self) -> None:
+        """Close every pool registered here that is still open, then the client. Never raises
+        for a pool whose daemon is gone (its pages go with this process)."""
+        for pool in list(self._open_pools.values()):
+            with contextlib.suppress(KVDaemonError):
+                pool.close()
+        self.close()
+
     def __enter__(self) -> KVClient:
         return self
 

@@ -9,7 +9,7 @@
   the user's client (a sleep waiting for us to quiesce) never blocks our answers.
 
 One reader thread owns the handle channel once attached: grant frames go to a
-mailbox by grant id that ``receive_grant`` waits on; notices are parsed
+mailbox by grant id that ``receive_pages`` waits on; notices are parsed
 (``kvdaemon.wire.messages``) and handed to ``on_notice``, which must not block.
 The reader takes no lock but the mailbox's own, so nothing can deadlock with it.
 
@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvdaemon.client.control import ControlChannel
+from kvdaemon.client.grant_channel import GrantChannel
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.errors import BadRequest, Forbidden, KVDaemonError, NoReply, from_code
 from kvdaemon.wire.handles import close_fds, peer_credentials, recv_frame, send_frame
@@ -68,6 +69,7 @@ class Lease:
         self._frames: dict[int, list[tuple[dict[str, Any], list[int]]]] = {}
         self._frames_changed = threading.Condition()
         self._reader: threading.Thread | None = None
+        self.grants: GrantChannel | None = None  # grows and shrinks: one plain round trip
 
     # -- the handle channel ----------------------------------------------------
 
@@ -97,6 +99,10 @@ class Lease:
         self._sock = sock
         self._reader = threading.Thread(target=self._read_loop, name=f"kvdaemon-lease-{self.name}", daemon=True)
         self._reader.start()
+        self.grants = GrantChannel.open(
+            str(self.paths.handle_socket), {"tenant": self.name, "token": self.token}, self.timeout_s,
+            alive=lambda: not self.lost.is_set(),
+        )
 
     def _read_loop(self) -> None:
         sock = self._sock
@@ -130,22 +136,23 @@ class Lease:
         if self.on_notice is not None:
             self.on_notice(notice)
 
-    def receive_grant(self, grant_id: int, pages: list[list[Any]]) -> Grant:
-        """Import the fds of grant ``grant_id`` (``pages``: ``[[lp, [page ids]], ...]``, as a
-        grow's reply lists them; the frames must carry exactly those ids)."""
-        pages = parse_grant_pages(pages)
-        return self.receive_pages(grant_id, [lp for lp, _ in pages], [pid for _, ids in pages for pid in ids])
-
-    def receive_pages(self, grant_id: int, logical_pages: list[int], page_ids: list[int] | None = None) -> Grant:
+    def receive_pages(
+        self, grant_id: int, logical_pages: list[int], page_ids: list[int] | None = None,
+        frames: list[tuple[dict[str, Any], list[int]]] | None = None,
+    ) -> Grant:
         """Import grant ``grant_id``: one page per segment for each of ``logical_pages``, in order.
 
-        Without ``page_ids`` (a wake notice) the frames say which pages they carry.
-        On a bad frame nothing stays imported or open.
+        ``frames`` are those already read (on the grant channel); the rest come
+        from the handle channel. Without ``page_ids`` (a wake notice) the frames
+        say which pages they carry. On a bad frame nothing stays imported or open.
         """
         if self._sock is None:
             raise KVDaemonError(f"tenant {self.name!r} is not attached")
         nseg = self.num_segments
-        frames = self._take_frames(grant_id, len(logical_pages) * nseg)
+        num_pages = len(logical_pages) * nseg
+        frames = list(frames or [])
+        if not _enough(frames, num_pages):
+            frames += self._take_frames(grant_id, num_pages - sum(len(b["page_ids"]) for b, _ in frames))
         imported: list[PhysicalPage] = []
         try:
             for i, (body, fds) in enumerate(frames):
@@ -199,12 +206,34 @@ class Lease:
             args["min_pages"] = min_pages
         if wait_s is not None:
             args["wait_s"] = wait_s
+        timeout_s = self.timeout_s + (DAEMON_WAIT_S if wait_s is None else wait_s)
         try:
-            reply = self.control.call_keep("grow", args, self.timeout_s + (DAEMON_WAIT_S if wait_s is None else wait_s))
+            reply, frames = self._grant_call("grow", args, timeout_s, keep=True)
         except NoReply as exc:
             self.outstanding_grows[exc.request_id] = list(logical_pages)  # type: ignore[attr-defined]
             raise
-        return self.receive_grant(reply["grant_id"], reply["pages"])
+        return self._granted(reply, frames)
+
+    def _grant_call(
+        self, op: str, args: dict[str, Any], timeout_s: float, keep: bool = False
+    ) -> tuple[dict[str, Any], list[tuple[dict[str, Any], list[int]]]]:
+        """One grow or shrink: on the grant channel, or the control channel without one."""
+        if self.grants is not None:
+            return self.grants.call(op, args, timeout_s, keep)
+        call = self.control.call_keep if keep else self.control.call
+        return {"ok": True, "result": call(op, args, timeout_s)}, []
+
+    def _granted(self, reply: dict[str, Any], frames: list[tuple[dict[str, Any], list[int]]]) -> Grant:
+        """The pages of a grow's reply; its error raised (and any frames closed) when refused."""
+        try:
+            result = result_of(reply)
+        except KVDaemonError:
+            for _, fds in frames:
+                close_fds(fds)
+            raise
+        pages = parse_grant_pages(result["pages"])
+        ids = [pid for _, page_ids in pages for pid in page_ids]
+        return self.receive_pages(result["grant_id"], [lp for lp, _ in pages], ids, frames)
 
     @property
     def in_flight(self) -> set[int]:
@@ -215,21 +244,23 @@ class Lease:
         """Grants of outstanding grows answered since (imported, not mapped); refusals dropped."""
         grants: list[Grant] = []
         for request_id in list(self.outstanding_grows):
-            reply = self.control.collect(request_id)
-            if reply is None:
+            found = self.grants.collect(request_id) if self.grants is not None else None
+            if self.grants is None:
+                reply = self.control.collect(request_id)
+                found = None if reply is None else (reply, [])
+            if found is None:
                 continue
             del self.outstanding_grows[request_id]
             try:
-                result = result_of(reply)
-                grants.append(self.receive_grant(result["grant_id"], result["pages"]))
+                grants.append(self._granted(*found))
             except KVDaemonError as exc:
                 log.info("lease %s: a late grow came back refused or unusable: %s", self.name, exc)
         return grants
 
     def shrink(self, logical_pages: list[int]) -> int:
         """Give logical pages back (already unmapped here); return how many went."""
-        reply = self.control.call("shrink", self._args(logical_pages=list(logical_pages)))
-        return int(reply["num_released"])
+        reply, _ = self._grant_call("shrink", self._args(logical_pages=list(logical_pages)), self.timeout_s)
+        return int(result_of(reply)["num_released"])
 
     def heartbeat(self, used_bytes: int | None = None, sleepable: bool | None = None) -> dict[str, Any]:
         """Tell the daemon we are alive, how many bytes of blocks we hold, whether we can quiesce."""
@@ -272,6 +303,9 @@ class Lease:
                 self._reader.join(5)
             self._sock.close()
             self._sock = None
+            if self.grants is not None:
+                self.grants.close()
+                self.grants = None
             with self._frames_changed:
                 for frames in self._frames.values():
                     for _, fds in frames:

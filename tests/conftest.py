@@ -10,7 +10,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -37,14 +37,25 @@ def short_dir() -> Path:
 
 @dataclass
 class RunningDaemon:
-    """A daemon serving from a background thread of the test process."""
+    """A daemon serving from a background thread of the test process.
+
+    Clients made by ``client()`` are closed when the daemon stops, with every
+    pool they registered, however the test ended.
+    """
 
     daemon: Daemon
     thread: threading.Thread
     dir: Path
+    clients: list[KVClient] = field(default_factory=list)
 
     def client(self, timeout_s: float = 5.0) -> KVClient:
-        return KVClient(self.dir, timeout_s=timeout_s)
+        client = KVClient(self.dir, timeout_s=timeout_s)
+        self.clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        for client in self.clients:
+            client.close_all()
 
     def check_invariants(self) -> None:
         service = self.daemon.service
@@ -62,9 +73,11 @@ def running_daemon(capacity: str = "64MiB", **config: object) -> Iterator[Runnin
     daemon.start()
     thread = threading.Thread(target=daemon.serve, name="kvdaemon-test", daemon=True)
     thread.start()
+    running = RunningDaemon(daemon, thread, root)
     try:
-        yield RunningDaemon(daemon, thread, root)
+        yield running
     finally:
+        running.close_clients()
         daemon.stop()
         thread.join(10)
         shutil.rmtree(root, ignore_errors=True)

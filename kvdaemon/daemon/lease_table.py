@@ -26,6 +26,13 @@ Hostile peers (same uid: anything else is refused at accept) are bounded:
   served at accept.
 - warnings any peer can trigger are rate-limited (``LogThrottle``).
 
+Grant channels: an attached tenant may open one more connection, attached with
+``"channel": "grants"``, on which it sends ``grow`` and ``shrink`` requests and
+reads their replies, each preceded by the frames of its grant: one plain
+socket round trip, without ZeroMQ's I/O threads or the client's reader thread.
+Requests are served in order. A grant channel and its lease end together:
+a grant in flight on a channel that closed leaves both sides unsure of it.
+
 Cost: O(1) per event; O(leases) per grant frame to check the fd budget, plus
 a scan of the waiting connections per accept.
 """
@@ -46,7 +53,7 @@ import zmq
 
 from kvdaemon.daemon.fd_closer import FdCloser
 from kvdaemon.daemon.log_throttle import LogThrottle
-from kvdaemon.errors import BadRequest, KVDaemonError
+from kvdaemon.errors import BadRequest, Conflict, KVDaemonError
 from kvdaemon.wire.handles import (
     Outbox, check_same_uid, close_fds, recv_frame, refuse_fds,
 )
@@ -61,6 +68,8 @@ FD_RESERVE_MIN = 256  # fds kept for ZeroMQ's connections, the backend, logs, me
 
 AttachFn = Callable[[str, str, int], int]
 EndLeaseFn = Callable[[int, str, bool], None]
+RequestFn = Callable[[dict[str, Any], Callable[[bytes, bytes], None]], bytes | None]
+"""Serves one decoded request with the given reply sink; returns the reply, or None if deferred."""
 
 
 def fd_budget(soft_limit: int) -> int:
@@ -86,6 +95,7 @@ class Conn:
     accepted_at: float = field(default_factory=time.monotonic)
     tenant_id: int | None = None
     closing: str | None = None
+    grants: bool = False  # a tenant's grant channel, not its lease
 
 
 class LeaseTable:
@@ -95,10 +105,17 @@ class LeaseTable:
     ``KVDaemonError``; ``end_lease(tenant_id, why, expired)`` frees a tenant.
     """
 
-    def __init__(self, poller: zmq.Poller, attach: AttachFn, end_lease: EndLeaseFn) -> None:
+    def __init__(
+        self, poller: zmq.Poller, attach: AttachFn, end_lease: EndLeaseFn,
+        attach_grants: AttachFn | None = None, serve_request: RequestFn | None = None,
+    ) -> None:
         self._poller = poller
         self._attach_fn = attach
         self._end_lease = end_lease
+        self._attach_grants_fn = attach_grants
+        self._serve_request = serve_request
+        self.grant_conns: dict[int, Conn] = {}
+        self._serving: Conn | None = None  # the grant channel whose request is being served
         self._listener: socket.socket | None = None
         self._accepting = False
         self.conns: dict[int, Conn] = {}
@@ -203,6 +220,9 @@ class LeaseTable:
             self.close(conn, f"handle channel closed: {exc}")
             return
         self._closer.close_fds(fds)  # clients never send fds
+        if conn.grants:
+            self._request(conn, body)
+            return
         if conn.tenant_id is not None:
             self._revoke(conn, "unexpected frame")
             self.close(conn, "unexpected frame on an attached handle channel")
@@ -214,6 +234,9 @@ class LeaseTable:
         try:
             if not isinstance(name, str) or not isinstance(token, str):
                 raise BadRequest("attach needs string fields 'tenant' and 'token'")
+            if body.get("channel") == "grants":
+                self._attach_grants(conn, name, token)
+                return
             tenant_id = self._attach_fn(name, token, conn.pid)
         except KVDaemonError as exc:
             conn.outbox.push({"ok": False, "error": {"code": exc.code, "message": exc.message}})
@@ -225,6 +248,37 @@ class LeaseTable:
         self.leases[tenant_id] = conn
         conn.outbox.push({"ok": True, "tenant_id": tenant_id})
         self.flush(conn)
+
+    def _attach_grants(self, conn: Conn, name: str, token: str) -> None:
+        """Bind ``conn`` as the grant channel of an attached tenant (one per tenant)."""
+        if self._attach_grants_fn is None or self._serve_request is None:
+            raise BadRequest("this daemon has no grant channels")
+        tenant_id = self._attach_grants_fn(name, token, conn.pid)
+        if tenant_id in self.grant_conns:
+            raise Conflict(f"tenant {name!r} already has a grant channel")
+        conn.tenant_id, conn.grants = tenant_id, True
+        self._waiting.pop(conn.sock.fileno(), None)
+        self.grant_conns[tenant_id] = conn
+        conn.outbox.push({"ok": True, "tenant_id": tenant_id})
+        self.flush(conn)
+
+    def _request(self, conn: Conn, body: dict[str, Any]) -> None:
+        """Serve a grow or shrink from a grant channel; its grant frames go out on it too."""
+        assert self._serve_request is not None
+        if body.get("op") not in ("grow", "shrink"):
+            body = {"id": body.get("id"), "op": "grant-channel:" + str(body.get("op"))[:32]}
+        self._serving = conn
+        try:
+            reply = self._serve_request(body, lambda _rid, payload: self._reply(conn, payload))
+        finally:
+            self._serving = None
+        if reply is not None:
+            self._reply(conn, reply)
+
+    def _reply(self, conn: Conn, payload: bytes) -> None:
+        if conn.closing is None and conn.sock.fileno() in self.conns:
+            conn.outbox.push_reply(payload)
+            self.flush(conn)
 
     # -- sending -----------------------------------------------------------------
 
@@ -242,6 +296,7 @@ class LeaseTable:
     def num_held_fds(self) -> int:
         """Fds the handle channel holds: connections, unread grant fds, fds being closed."""
         unread = sum(conn.outbox.num_unread_fds for conn in self.leases.values())
+        unread += sum(conn.outbox.num_unread_fds for conn in self.grant_conns.values())
         return len(self.conns) + unread + self._closer.num_pending
 
     def _bound_fds(self) -> None:
@@ -299,8 +354,16 @@ class LeaseTable:
         with contextlib.suppress(OSError):
             conn.sock.shutdown(socket.SHUT_RDWR)
         self._closer.close_socket(conn.sock)
-        if conn.tenant_id is not None:
+        if conn.grants:  # a grant in flight may be lost with it: the lease ends too
+            self.grant_conns.pop(conn.tenant_id, None)  # type: ignore[arg-type]
+            lease = self.leases.get(conn.tenant_id)  # type: ignore[arg-type]
+            if lease is not None:
+                self.close(lease, f"its grant channel closed: {why}", expired)
+        elif conn.tenant_id is not None:
             self.leases.pop(conn.tenant_id, None)
+            grant_conn = self.grant_conns.get(conn.tenant_id)
+            if grant_conn is not None:
+                self.close(grant_conn, "its lease ended")
             self._end_lease(conn.tenant_id, why, expired)
 
     def expire(self, now: float, timeout_s: float) -> None:
@@ -327,12 +390,14 @@ class LeaseTable:
         self, tenant_id: int, grant_id: int, page_ids: list[int], fds: list[int],
         fd_index: list[int],
     ) -> None:
-        conn = self.leases[tenant_id]
+        serving = self._serving
+        conn = serving if serving is not None and serving.tenant_id == tenant_id else self.leases[tenant_id]
         if conn.closing is not None:  # revoked or dead: the frames could never be read
             close_fds(fds)
             return
         conn.outbox.push_grant(grant_id, page_ids, fds, fd_index)
-        self.flush(conn)
+        if conn is not serving:  # a grant channel's frames go out with the reply, back to back
+            self.flush(conn)
         self._bound_fds()
 
     def send_notice(self, tenant_id: int, body: dict[str, Any]) -> None:
@@ -342,7 +407,12 @@ class LeaseTable:
             self.flush(conn)
 
     def drop_lease(self, tenant_id: int) -> None:
+        """Close a tenant's connections without ending its lease (it unregistered)."""
         conn = self.leases.pop(tenant_id, None)
         if conn is not None:
             conn.tenant_id = None
+        grant_conn = self.grant_conns.get(tenant_id)
+        if grant_conn is not None:
+            self.close(grant_conn, "unregistered")
+        if conn is not None:
             self.close(conn, "unregistered")

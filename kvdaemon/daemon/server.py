@@ -28,6 +28,7 @@ import logging
 import os
 import resource
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -61,7 +62,9 @@ class Daemon:
         self._router: zmq.Socket | None = None
         self._wake_r, self._wake_w = -1, -1
         self._poller = zmq.Poller()
-        self.leases = LeaseTable(self._poller, self._attach, self._end_lease)
+        self.leases = LeaseTable(
+            self._poller, self._attach, self._end_lease, self._attach_grants, self._serve_grant_request
+        )
         self._listener_fd = -1
         self._stopping = False
         self._shutting_down = False  # leases closing now are not tenant deaths
@@ -187,6 +190,20 @@ class Daemon:
         assert self.service is not None
         with self.service.lock:
             return self.service.attach(name, token, pid).tenant_id
+
+    def _attach_grants(self, name: str, token: str, pid: int) -> int:
+        assert self.service is not None
+        with self.service.lock:
+            return self.service.attach_grants(name, token, pid)
+
+    def _serve_grant_request(self, message: dict, sink: Callable[[bytes, bytes], None]) -> bytes | None:
+        """A grow or shrink from a tenant's grant channel, served as a control request is."""
+        assert self.service is not None
+        reply = self.service.serve(message, b"", sink)
+        if self.service.reclaimer.parked:  # a shrink may serve waiting grows
+            with self.service.lock:
+                self.service.reclaimer.retry(self.service.clock())
+        return reply
 
     def _end_lease(self, tenant_id: int, why: str, expired: bool) -> None:
         assert self.service is not None

@@ -101,11 +101,17 @@ class Service:
         Returns ``None`` when the op answers later: its ``PendingReply`` goes
         through the sink.
         """
-        request_id: int | None = None
         try:
             message = decode(raw, REQUEST_LIMITS)  # the cost of one request is bounded
-            rid = message.get("id")
-            request_id = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+        except KVDaemonError as exc:
+            return reply_error(None, exc)
+        return self.serve(message, routing_id, self.sink)
+
+    def serve(self, message: dict[str, Any], routing_id: bytes, sink: ReplySink) -> bytes | None:
+        """Serve one decoded request; a deferred reply goes to ``sink``. Never raises."""
+        rid = message.get("id")
+        request_id = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
+        try:
             op = message.get("op")
             if not isinstance(op, str):
                 raise BadRequest("field 'op' must be a string")
@@ -113,7 +119,7 @@ class Service:
             if handler is None:
                 raise UnknownOp(f"unknown op {op[:64]!r}")
             with self.lock:
-                result = handler(Args(message.get("args")), Call(routing_id, request_id, self.sink))
+                result = handler(Args(message.get("args")), Call(routing_id, request_id, sink))
             return None if isinstance(result, PendingReply) else reply_ok(request_id, result)
         except KVDaemonError as exc:
             return reply_error(request_id, exc)
@@ -272,6 +278,15 @@ class Service:
         tenant.leased = True
         tenant.pid = pid
         return tenant
+
+    def attach_grants(self, name: str, token: str, pid: int) -> int:
+        """Check a grant channel of ``pid`` for a tenant: its token, its lease attached by ``pid``."""
+        tenant = self.tenants.named(name)
+        if not _same_token(token, tenant.token):
+            raise Forbidden(f"wrong token for tenant {name!r}")
+        if not tenant.leased or tenant.pid != pid:
+            raise Forbidden(f"a grant channel of {name!r} must come from the process holding its lease")
+        return tenant.tenant_id
 
     def remove(self, tenant: Tenant) -> int:
         """Forget ``tenant`` and free every page it holds; return the pages freed.

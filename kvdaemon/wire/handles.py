@@ -142,6 +142,20 @@ class Outbox:
         """Queue one frame without fds."""
         self._frames.append((encode(body), []))
 
+    def push_encoded(self, data: bytes) -> None:
+        """Queue one frame already encoded (a reply), without fds."""
+        self._frames.append((data, []))
+
+    def push_reply(self, data: bytes) -> None:
+        """Queue an encoded reply; if the last queued frame is a grant frame not sent yet,
+        the reply travels with it (``"frame"``: the grant frame's body, with its fds), so
+        the peer is woken once."""
+        if self._frames and self._frames[-1][1]:
+            frame, fds = self._frames.pop()
+            self._frames.append((encode({**decode(data), "frame": decode(frame)}), fds))
+        else:
+            self._frames.append((data, []))
+
     def push_grant(
         self, grant_id: int, page_ids: list[int], fds: list[int], fd_index: list[int]
     ) -> None:

@@ -30,16 +30,14 @@ def kvd() -> Iterator[RunningDaemon]:
 def count_requests(pool: KVPool) -> Counter[str]:
     """Count the pool's page requests (grow, shrink) from here on."""
     counts: Counter[str] = Counter()
-    control = pool.lease.control
-    for method in ("call", "call_keep"):
-        real = getattr(control, method)
+    lease = pool.lease
+    real = lease._grant_call
 
-        def counted(op: str, args: dict[str, Any], *rest: Any, _real: Any = real) -> Any:
-            if op in ("grow", "shrink"):
-                counts[op] += 1
-            return _real(op, args, *rest)
+    def counted(op: str, *args: Any, **kwargs: Any) -> Any:
+        counts[op] += 1
+        return real(op, *args, **kwargs)
 
-        setattr(control, method, counted)
+    lease._grant_call = counted  # type: ignore[method-assign]
     return counts
 
 

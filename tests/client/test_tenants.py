@@ -144,10 +144,10 @@ def daemon_with_pages(num_pages: int) -> Iterator[RunningDaemon]:
     The workers are raw leases without a pool agent: they never answer reclaim
     or sleep notices, so a grow short of pages fails fast and no one is slept.
     """
-    with running_daemon(capacity=f"{num_pages * PAGE // 1024}KiB", page_size_bytes=PAGE) as kvd:
-        assert kvd.daemon.service is not None
-        kvd.daemon.service.reclaimer.sleep_victims = False
-        kvd.daemon.service.reclaimer.wait_s = 0.0
+    with running_daemon(
+        capacity=f"{num_pages * PAGE // 1024}KiB", page_size_bytes=PAGE, reclaim_sleep=False,
+        reclaim_wait_s=0.0,
+    ) as kvd:
         yield kvd
 
 

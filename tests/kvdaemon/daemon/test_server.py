@@ -19,7 +19,7 @@ from tests.conftest import RunningDaemon, small_spec, wait_until
 def test_a_send_failing_inside_grow_does_not_hang_the_daemon(kvd: RunningDaemon) -> None:
     client = kvd.client(timeout_s=1.0)
     lease = client.lease("a", small_spec(), num_virtual_pages=4)
-    conn = kvd.daemon.leases.leases[lease.tenant_id]
+    conn = kvd.daemon.leases.grant_conns[lease.tenant_id]  # grants travel on the grant channel
 
     def broken_pipe() -> bool:
         raise BrokenPipeError("peer gone")
