@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 
 ATTENTION_NAME = "kvdaemon_paged"
 
-_STEP: contextvars.ContextVar[PagedStep | None] = contextvars.ContextVar("kvdaemon_step", default=None)
-
 
 @dataclass
 class PagedStep:
@@ -53,6 +51,10 @@ class PagedStep:
     seq_lens: torch.Tensor  # [batch]
     query_start_loc: torch.Tensor  # [batch + 1]
     impl: Impl = "auto"
+
+
+_STEP: contextvars.ContextVar[PagedStep | None] = contextvars.ContextVar("kvdaemon_step", default=None)
+"""The step of the ``paged_forward`` running in this thread (``None`` outside one)."""
 
 
 def build_step(

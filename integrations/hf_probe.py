@@ -156,7 +156,7 @@ def probe_layout(model: Any) -> AttentionLayout:
 
     AttentionInterface.register(PROBE_NAME, _record)
     device = next(model.parameters()).device
-    ids = torch.arange(LAYOUT_TOKENS, device=device)[None] % model.get_input_embeddings().num_embeddings
+    ids = torch.arange(LAYOUT_TOKENS, device=device)[None]
     recording = _Recording()
     token = _RECORDING.set(recording)
     previous, config._attn_implementation = config._attn_implementation, PROBE_NAME
@@ -229,7 +229,7 @@ def check_paged(model: Any, layout: AttentionLayout, block_size: int, impl: hf_a
     hf_attention.register()
     device = next(model.parameters()).device
     num_tokens = probe_length(model, layout, block_size)
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = model.config.vocab_size  # the ids the engine accepts
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (num_tokens,), generator=generator).tolist()
     kept, paged = _paged_logits(model, layout.kv_spec(block_size), tokens, device, impl)

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from kvdaemon.client import KVClient, KVPool, PoolExhausted  # noqa: E402
 from kvdaemon.client.local_pool import LocalPool  # noqa: E402
 from kvdaemon.errors import BadRequest  # noqa: E402
+from kvdaemon.integrations import hf_attention  # noqa: E402
 from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
 
 from tests.conftest import RunningDaemon, short_dir, start_daemon, wait_for  # noqa: E402
@@ -218,6 +219,16 @@ def test_what_cannot_run_is_refused_at_construction(model: Any) -> None:
     finally:
         model.eval()
     assert pool.num_used_blocks == 0 and model.config._attn_implementation == "sdpa"
+
+
+def test_the_paged_attention_outside_the_engine_is_refused(model: Any) -> None:
+    Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=8)).close()  # registered it
+    previous, model.config._attn_implementation = model.config._attn_implementation, hf_attention.ATTENTION_NAME
+    try:
+        with pytest.raises(BadRequest, match="runs only inside kvdaemon's paged_forward"):
+            model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=False)
+    finally:
+        model.config._attn_implementation = previous
 
 
 @pytest.mark.parametrize("mode", ["warm", "cold"])
