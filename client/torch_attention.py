@@ -285,20 +285,23 @@ class _GatherBuffers(threading.local):
     faults on every call (that costs more than the copy); reusing two buffers
     (K, V) avoids it. They hold about ``DECODE_CHUNK_BYTES``, or one prefill
     sequence's K+V if larger, per thread that called ``paged_attention`` on CPU.
+    Buffers made under ``torch.inference_mode`` (the engine's forwards) are
+    inference tensors, which cannot be written outside it: each mode has its own.
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.buffers: dict[tuple[int, torch.dtype, bool], torch.Tensor] = {}
 
     def get(self, which: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """An uninitialised ``shape`` tensor of ``like``'s dtype and device (fresh off CPU)."""
         if like.device.type != "cpu":
             return torch.empty(shape, dtype=like.dtype, device=like.device)
         numel = math.prod(shape)
-        buffer = self.buffers.get((which, like.dtype))
+        key = (which, like.dtype, torch.is_inference_mode_enabled())
+        buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = torch.empty(numel, dtype=like.dtype)
-            self.buffers[(which, like.dtype)] = buffer
+            self.buffers[key] = buffer
         return buffer[:numel].view(shape)
 
 
