@@ -11,7 +11,9 @@ attention layer then:
 1. writes the new tokens' K/V into their slots of the layer's pool tensors
    (``store_kv``), and
 2. runs ``paged_attention`` of the new queries over each sequence's blocks,
-   with the ``scaling``, ``sliding_window`` and ``softcap`` the layer passes.
+   with the ``scaling``, ``sliding_window`` and ``softcap`` the layer passes (a
+   window no shorter than the step's longest context is dropped: it cannot
+   bind, and without it the Triton path can run).
 
 transformers builds no attention mask for an implementation it has no mask
 function for, so a step costs no ``[tokens, context]`` mask either.
@@ -50,6 +52,7 @@ class PagedStep:
     block_tables: torch.Tensor  # [batch, max_blocks]
     seq_lens: torch.Tensor  # [batch]
     query_start_loc: torch.Tensor  # [batch + 1]
+    max_seq_len: int  # max(seq_lens) on the host: a window at least this long cannot bind
     impl: Impl = "auto"
 
 
@@ -93,7 +96,9 @@ def build_step(
     def tensor(values: list[Any]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    step = PagedStep(caches[0], caches[1], tensor(slots), tensor(padded), tensor(seq_lens), tensor(starts), impl)
+    step = PagedStep(
+        caches[0], caches[1], tensor(slots), tensor(padded), tensor(seq_lens), tensor(starts), max(seq_lens), impl
+    )
     return tensor(ids)[None], tensor(positions)[None], step, tensor(keep)
 
 
@@ -119,6 +124,8 @@ def paged_attention_forward(
         raise BadRequest("the paged attention computes causal attention without sinks only")
     if query.shape[0] != 1:
         raise BadRequest(f"the engine packs a step into one row; got a batch of {query.shape[0]}")
+    if sliding_window is not None and sliding_window >= step.max_seq_len:
+        sliding_window = None  # cannot bind in this step: leaves the Triton path open
     layer = module.layer_idx
     k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
     store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, step.slot_mapping)

@@ -23,8 +23,9 @@ Guarantees:
   batching, chunk size, prefix sharing or preemption: a preempted request
   recomputes its whole context.
 - A request longer than ``max_model_len`` (by default the model's
-  ``max_position_embeddings``) or than the pool's virtual capacity is refused
-  by ``add_request``, never failed mid-generation.
+  ``max_position_embeddings``; with ``attention_impl="triton"``, which has no
+  sliding window, at most the model's shortest window) or than the pool's
+  virtual capacity is refused by ``add_request``, never failed mid-generation.
 - ``PoolExhausted`` never escapes ``step``: the scheduler preempts or waits.
   ``generate`` raises ``PoolExhausted`` only after ``stall_timeout_s`` seconds
   without a step that computed anything.
@@ -97,8 +98,8 @@ class Engine:
             raise BadRequest(f"{type(pool).__name__} is not a pool the engine can run over (see EnginePool)")
         layout = hf_probe.probe_layout(model)
         self._check_pool(model, layout, pool)
-        self.max_model_len = _max_model_len(model, max_model_len)
-        hf_probe.check_paged(model, layout, pool.spec.block_size, attention_impl)
+        self.max_model_len = _max_model_len(model, max_model_len, layout, attention_impl)
+        hf_probe.check_paged(model, layout, pool.spec.block_size, attention_impl, self.max_model_len)
         self.model = model
         self.pool = pool
         self.clock = clock
@@ -296,14 +297,27 @@ class Engine:
         self.close()
 
 
-def _max_model_len(model: Any, asked: int | None) -> int | None:
-    """``asked``, else the model's ``max_position_embeddings`` (``None``: no limit known)."""
-    if asked is None:
-        limit = getattr(model.config, "max_position_embeddings", None)
-        return limit if isinstance(limit, int) and limit > 0 else None
-    if isinstance(asked, bool) or not isinstance(asked, int) or asked <= 0:
+def _max_model_len(
+    model: Any, asked: int | None, layout: hf_probe.AttentionLayout, impl: hf_attention.Impl
+) -> int | None:
+    """``asked``, else the model's ``max_position_embeddings`` (``None``: no limit known).
+
+    With ``impl="triton"``, which has no sliding window, at most the shortest
+    window: there it cannot bind, so the model runs exactly.
+    """
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked <= 0):
         raise BadRequest(f"max_model_len must be a positive integer, got {asked!r}")
-    return asked
+    limit = getattr(model.config, "max_position_embeddings", None)
+    length = asked if asked is not None else limit if isinstance(limit, int) and limit > 0 else None
+    windows = [w for w in layout.sliding_windows if w is not None]
+    if impl != "triton" or not windows or (length is not None and length <= min(windows)):
+        return length
+    if asked is not None:
+        raise BadRequest(
+            f"max_model_len {asked} is longer than the model's sliding window {min(windows)}, which "
+            "impl='triton' does not compute; use impl='auto' or a max_model_len within the window"
+        )
+    return min(windows)
 
 
 def _default_stops(model: Any) -> list[int]:

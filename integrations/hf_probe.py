@@ -13,16 +13,16 @@ Two probes, each a few tiny forwards of the model itself:
   cannot mislead it. ``BadRequest`` when the layout cannot be determined: no
   attention call reached the interface, a layer called twice or never, layers
   whose K/V differ, K and V of different head dims.
-- ``check_paged(model, layout, block_size, impl)`` runs ``probe_length`` tokens
-  through the paged attention exactly as the engine does (``build_step`` over a
-  scratch ``LocalPool``: two prefill chunks, then two one-token decodes) and
-  compares every position's logits with the model's own forward (its own
-  attention implementation) over the same tokens. Where a sliding window is
-  short enough (``WINDOW_PROBE_MAX``), the probe runs past it, so the window
-  binds. ``BadRequest`` naming the family and the reason when a paged forward
-  fails (a model that ignores ``logits_to_keep``, an ``impl`` that cannot
-  compute an option) or when the logits differ by more than the dtype's
-  tolerance.
+- ``check_paged(model, layout, block_size, impl, max_model_len)`` runs
+  ``probe_length`` tokens through the paged attention exactly as the engine
+  does (``build_step`` over a scratch ``LocalPool``: two prefill chunks, then
+  two one-token decodes) and compares every position's logits with the model's
+  own forward (its own attention implementation) over the same tokens. Where a
+  sliding window is short enough (``WINDOW_PROBE_MAX``, and within
+  ``max_model_len``), the probe runs past it, so the window binds.
+  ``BadRequest`` naming the family and the reason when a paged forward fails (a
+  model that ignores ``logits_to_keep``, an ``impl`` that cannot compute an
+  option) or when the logits differ by more than the dtype's tolerance.
 
 Both are refusals at construction: a model that passes runs token-exact (up to
 float ties), one that fails never starts a request. Cost: ``probe_layout`` one
@@ -207,28 +207,36 @@ def _layout_of(model: Any, calls: list[_Call]) -> AttentionLayout:
 # --- the paged probe ----------------------------------------------------------------------------
 
 
-def probe_length(model: Any, layout: AttentionLayout, block_size: int) -> int:
+def probe_length(layout: AttentionLayout, block_size: int, max_model_len: int | None) -> int:
     """Tokens of the paged probe: three blocks and more, past the shortest window up to ``WINDOW_PROBE_MAX``.
 
-    Never more than the model's ``max_position_embeddings``.
+    Never more than ``max_model_len`` (the longest sequence the engine will run), nor fewer than 5.
     """
     length = 2 * block_size + 5
     windows = [w for w in layout.sliding_windows if w is not None and w <= WINDOW_PROBE_MAX]
     if windows:
         length = max(length, min(windows) + block_size + 5)
-    limit = getattr(model.config, "max_position_embeddings", None)
-    return max(5, min(length, limit)) if isinstance(limit, int) else length
+    return length if max_model_len is None else max(5, min(length, max_model_len))
 
 
-def check_paged(model: Any, layout: AttentionLayout, block_size: int, impl: hf_attention.Impl = "auto") -> None:
-    """BadRequest unless the paged attention reproduces ``model``'s logits (see the module docstring)."""
+def check_paged(
+    model: Any,
+    layout: AttentionLayout,
+    block_size: int,
+    impl: hf_attention.Impl = "auto",
+    max_model_len: int | None = None,
+) -> None:
+    """BadRequest unless the paged attention reproduces ``model``'s logits (see the module docstring).
+
+    The probe runs no longer a sequence than ``max_model_len``.
+    """
     if model.training:
         raise refusal(model, "the model is in training mode (dropout); call model.eval() first")
     if reasons := layout.unsupported():
         raise refusal(model, "; ".join(reasons))
     hf_attention.register()
     device = next(model.parameters()).device
-    num_tokens = probe_length(model, layout, block_size)
+    num_tokens = probe_length(layout, block_size, max_model_len)
     vocab = model.config.vocab_size  # the ids the engine accepts
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (num_tokens,), generator=generator).tolist()

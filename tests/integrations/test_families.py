@@ -10,19 +10,24 @@ tokens) are longer than ``zoo.WINDOW``, and prefills run in chunks of at most
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
+import torch  # noqa: E402
+
 from kvdaemon.client.local_pool import LocalPool  # noqa: E402
 from kvdaemon.errors import BadRequest  # noqa: E402
-from kvdaemon.integrations import hf_attention  # noqa: E402
+from kvdaemon.integrations import hf_attention, hf_engine, hf_probe  # noqa: E402
 from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
 
 from .models import random_prompts, reference_outputs  # noqa: E402
-from .zoo import EXACT, REFUSED, tiny_family  # noqa: E402
+from .zoo import EXACT, REFUSED, WINDOW, tiny_family  # noqa: E402
+
+HAS_CUDA_TRITON = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 BLOCK = 4
 BUDGET = 24
@@ -31,7 +36,8 @@ LENGTHS = [5, 17, 40, 64]
 
 
 def engine_for(model: Any, **engine_args: Any) -> Engine:
-    return Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=128), **engine_args)
+    pool = LocalPool(kv_spec_for(model, BLOCK), num_blocks=128, device=model.device)
+    return Engine(model, pool, **engine_args)
 
 
 @pytest.mark.parametrize("family", EXACT)
@@ -94,3 +100,56 @@ def test_a_default_mistral_window_longer_than_the_model_runs() -> None:
     assert kv_spec_for(model, BLOCK).num_kv_heads == 2
     with engine_for(model) as engine:
         assert engine.max_model_len == 512
+
+
+def test_a_window_reaches_the_attention_only_where_it_binds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window no shorter than the step's longest context is dropped (it leaves the Triton path open)."""
+    seen: list[tuple[int, int | None]] = []
+    real = hf_attention.paged_attention
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append((int(args[4].max()), kwargs["sliding_window"]))  # seq_lens
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_attention, "paged_attention", recording)
+    with engine_for(tiny_family("mistral-window")) as engine:
+        engine.generate(random_prompts([3, 20]), 4)
+    assert {window for longest, window in seen if longest <= WINDOW} == {None}
+    assert {window for longest, window in seen if longest > WINDOW} == {WINDOW}
+    seen.clear()
+    with engine_for(tiny_family("mistral")) as engine:  # a 4096-token window in 512 positions
+        engine.generate(random_prompts([40]), 4)
+    assert seen and {window for _, window in seen} == {None}
+
+
+def test_without_a_window_on_its_path_triton_runs_within_the_window() -> None:
+    """``impl="triton"`` caps ``max_model_len`` at the shortest window, and refuses more if asked."""
+    windowed, plain = tiny_family("gemma2-window"), tiny_family("llama")
+    layout = hf_probe.probe_layout(windowed)
+    assert layout.sliding_windows == (WINDOW, None)
+    assert hf_engine._max_model_len(windowed, None, layout, "triton") == WINDOW
+    assert hf_engine._max_model_len(windowed, 6, layout, "triton") == 6
+    assert hf_engine._max_model_len(windowed, None, layout, "auto") == 512
+    assert hf_engine._max_model_len(plain, None, hf_probe.probe_layout(plain), "triton") == 512
+    with pytest.raises(BadRequest, match="longer than the model's sliding window 8"):
+        hf_engine._max_model_len(windowed, 100, layout, "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA_TRITON, reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("family", ["llama", "gpt-neox", "mistral-window", "qwen2-window", "gemma2-window"])
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+def test_gpu_family_is_served_token_exact_or_refused(family: str, impl: str) -> None:
+    """On CUDA ``auto`` runs windows and softcaps on the torch path; ``triton`` runs within the window
+    (``max_model_len`` capped) and refuses Gemma2, whose softcap it cannot compute."""
+    model = tiny_family(family).cuda()
+    if impl == "triton" and family.startswith("gemma2"):
+        with pytest.raises(BadRequest, match="neither a sliding window nor a softcap"):
+            engine_for(model, attention_impl=impl)
+        return
+    within_window = impl == "triton" and family.endswith("window")
+    prompts = random_prompts([3, 5] if within_window else LENGTHS)
+    new = 3 if within_window else NEW
+    with engine_for(model, max_num_batched_tokens=BUDGET, attention_impl=impl) as engine:
+        assert engine.max_model_len == (WINDOW if within_window else 512)
+        assert engine.generate(prompts, new) == reference_outputs(model, prompts, new)
