@@ -13,11 +13,16 @@ Layouts (the cache tensors are what ``KVPool.key_cache(layer)`` returns):
   ``<=`` its own: decode is ``q_len == 1``, chunked prefill ``q_len > 1``.
 - GQA: ``num_heads`` is a multiple of ``num_kv_heads``; query head ``h`` reads KV
   head ``h // (num_heads // num_kv_heads)``.
+- options (transformers' names): ``sliding_window=w`` lets the token at position
+  ``p`` see only keys ``p - w < k <= p``; ``softcap=c`` caps scores as
+  ``c * tanh(scores / c)`` before the softmax (Gemma2).
 
 Dispatch: on CUDA tensors (fp32, bf16, fp16) both ops run the Triton kernels of
 :mod:`kvdaemon.client.triton_attention` when ``triton`` imports (it is imported on
 the first CUDA call, never before); everywhere else they run
 :mod:`kvdaemon.client.torch_attention`. Both accumulate in fp32 for bf16/fp16.
+A call with a sliding window or a softcap runs the torch path: ``"auto"`` picks
+it, ``impl="triton"`` is refused (the kernels implement neither).
 This module checks shapes, dtypes and devices (never a host sync); the torch
 path also checks index values, the Triton path trusts them.
 """
@@ -91,6 +96,8 @@ def paged_attention(
     scale: float | None = None,
     *,
     impl: Impl = "auto",
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a ragged batch of new tokens over the paged cache.
 
@@ -101,6 +108,8 @@ def paged_attention(
     head_dim]`` in the query's dtype; ``scale`` defaults to ``head_dim ** -0.5``.
     ``impl`` picks the path: ``"auto"`` (Triton on CUDA when it imports), or
     ``"torch"`` / ``"triton"`` to force one (``"triton"`` needs CUDA tensors).
+    ``sliding_window`` (a positive int) and ``softcap`` (a positive float), see
+    the module docstring; either one means the torch path.
 
     Raises ``BadRequest`` on shape, dtype, device or GQA mismatches; the torch
     path also checks the index values (ragged offsets, lengths, block ids), the
@@ -110,20 +119,34 @@ def paged_attention(
     :mod:`kvdaemon.client.torch_attention`).
     """
     _check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    _check_options(sliding_window, softcap)
     if scale is None:
         scale = query.shape[-1] ** -0.5
-    triton_ops = _pick_triton(query, impl)
+    plain = sliding_window is None and softcap is None
+    triton_ops = _pick_triton(query, impl, plain)
     if triton_ops is not None:
         return triton_ops.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    return torch_attention.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    return torch_attention.paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap
+    )
 
 
-def _pick_triton(query: torch.Tensor, impl: Impl) -> ModuleType | None:
-    """The Triton module when ``impl`` and the device call for it, else ``None``."""
+def _pick_triton(query: torch.Tensor, impl: Impl, plain: bool = True) -> ModuleType | None:
+    """The Triton module when ``impl``, the device and the options call for it, else ``None``.
+
+    ``plain``: no sliding window and no softcap (the only attention the kernels compute).
+    """
     if impl == "torch":
         return None
     if impl not in ("auto", "triton"):
         raise BadRequest(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    if not plain:
+        if impl == "triton":
+            raise BadRequest(
+                "impl='triton' computes neither a sliding window nor a softcap; use impl='torch' "
+                "(or 'auto', which picks it for such calls)"
+            )
+        return None
     triton_ops = _triton_ops() if query.is_cuda and query.dtype in _TRITON_DTYPES else None
     if impl == "triton" and triton_ops is None:
         raise BadRequest(f"impl='triton' needs CUDA tensors of one of {_TRITON_DTYPES} and an importable triton")
@@ -178,6 +201,18 @@ def _check_attention_args(
     _check_devices(
         k_cache, query=query, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc
     )
+
+
+def _check_options(sliding_window: int | None, softcap: float | None) -> None:
+    """``sliding_window`` a positive int, ``softcap`` a positive finite number, or ``None``."""
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window <= 0
+    ):
+        raise BadRequest(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < float("inf")
+    ):
+        raise BadRequest(f"softcap must be a positive number or None, got {softcap!r}")
 
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

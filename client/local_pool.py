@@ -1,7 +1,7 @@
 """``LocalPool``: a paged KV cache in plain torch tensors, with no daemon behind it.
 
-It has the engine-facing surface of ``KVPool`` (``alloc``/``free``,
-``key_cache``/``value_cache``, ``copy_blocks``, the hooks, ``wake``) over
+It is an ``EnginePool``, as ``KVPool`` is (``alloc``/``free``,
+``key_cache``/``value_cache``, ``copy_blocks``, the hooks, ``wake``), over
 tensors allocated up front, so the same engine runs on either. It is the
 baseline ``bench/multitenant.py`` measures the daemon's KV against, and lets
 engine tests run without a daemon.

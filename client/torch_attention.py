@@ -18,6 +18,15 @@ SDPA's kernels do):
   bottom-right causal mask (SDPA's own causal mode when it covers the whole
   context).
 
+Two options of transformers' attention interface are honoured, per call:
+
+- ``sliding_window=w``: the token at position ``p`` sees keys ``p - w < k <= p``
+  (``w`` keys, itself included), transformers' own mask. Masked by position: the
+  whole context is still gathered, so a window saves no work here.
+- ``softcap=c``: scores become ``c * tanh(scores / c)`` before the mask, as
+  transformers' eager attention does (Gemma2). SDPA cannot do this, so these
+  calls compute scores, softmax and output explicitly, in fp32.
+
 Cost: K/V move twice (the gather's copy, then SDPA reading it), against once
 for SDPA over contiguous K/V. On CPU decode is memory-bound and the copy costs
 about as much as SDPA itself, so decode takes 1.9-2.5x SDPA's time
@@ -70,8 +79,13 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """``[total_q, num_heads, head_dim]``: decode sequences in chunks, then each prefill chunk alone."""
+    """``[total_q, num_heads, head_dim]``: decode sequences in chunks, then each prefill chunk alone.
+
+    ``sliding_window`` and ``softcap`` (validated by the caller) as in the module docstring.
+    """
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     _check_ragged(starts, lens, query.shape[0], block_tables.shape[1], k_cache.shape[1])
@@ -81,12 +95,16 @@ def paged_attention(
     token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # K+V of one token
     for chunk in _decode_chunks(decode, lens, token_bytes):
         rows = [starts[s] for s in chunk]
-        o = _decode_one_chunk(_rows(query, rows), k_cache, v_cache, block_tables, chunk, lens, scale)
+        o = _decode_one_chunk(
+            _rows(query, rows), k_cache, v_cache, block_tables, chunk, lens, scale, sliding_window, softcap
+        )
         _set_rows(out, rows, o)
     for s, q_len in enumerate(q_lens):
         if q_len > 1:
             rows = slice(starts[s], starts[s + 1])
-            out[rows] = _prefill_one(query[rows], k_cache, v_cache, block_tables[s], lens[s], scale)
+            out[rows] = _prefill_one(
+                query[rows], k_cache, v_cache, block_tables[s], lens[s], scale, sliding_window, softcap
+            )
     return out
 
 
@@ -113,6 +131,8 @@ def _decode_one_chunk(
     seqs: list[int],
     all_lens: list[int],
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``[n, num_heads, head_dim]`` attention of one new token for each of ``seqs`` (shortest first).
 
@@ -120,26 +140,32 @@ def _decode_one_chunk(
     heads of one KV head become the query rows of one SDPA head (no K/V repeat).
     Where lengths differ, positions past a sequence's end read a block of its own
     (never the table's padding), are zeroed (stale cache bytes may be NaN) and
-    masked.
+    masked; with a window that binds, positions before it are masked too.
     """
     n, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
     lens = [all_lens[s] for s in seqs]
     longest = lens[-1]
     table = _rows(block_tables, seqs)[:, : -(-longest // block_size)]
+    padded = lens[0] != longest
+    windowed = sliding_window is not None and longest > sliding_window
     mask = None
-    if lens[0] != longest:
-        lens_t = torch.tensor(lens, device=q.device)
-        table = _pad_with_first_block(table, lens_t, block_size)
-        mask = torch.arange(longest, device=q.device)[None, :] < lens_t[:, None]
+    if padded or windowed:
+        lens_t = torch.tensor(lens, device=q.device)[:, None]
+        positions = torch.arange(longest, device=q.device)[None, :]
+    if padded:
+        table = _pad_with_first_block(table, lens_t[:, 0], block_size)
+        mask = positions < lens_t
     keys, values = _gather(k_cache, v_cache, table.reshape(-1), n, longest)
     if mask is not None:
         for t in (keys, values):
             t.transpose(1, 2)[~mask] = 0
-        mask = mask.view(n, 1, 1, longest)
+    if windowed:
+        in_window = positions >= lens_t - sliding_window
+        mask = in_window if mask is None else mask & in_window
     group = num_heads // num_kv_heads
     q = q.reshape(n, num_kv_heads, group, head_dim)
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    o = _attend(q, keys, values, None if mask is None else mask.view(n, 1, 1, longest), scale, softcap)
     return o.reshape(n, num_heads, head_dim)
 
 
@@ -166,12 +192,20 @@ def _set_rows(t: torch.Tensor, rows: list[int], value: torch.Tensor) -> None:
 
 
 def _prefill_one(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    ctx: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``[q_len, num_heads, head_dim]`` attention of one sequence's new tokens over its ``ctx`` tokens.
 
-    Bottom-right causal: with ``q_len == ctx`` SDPA's own causal mode, else a
-    ``[q_len, ctx]`` bool mask. GQA by a stride-0 expand of the KV heads (no copy).
+    Bottom-right causal (and windowed, when a window binds): with ``q_len == ctx``
+    and no window SDPA's own causal mode, else a ``[q_len, ctx]`` bool mask. GQA by
+    a stride-0 expand of the KV heads (no copy).
     """
     q_len, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -181,13 +215,44 @@ def _prefill_one(
     shape = (num_kv_heads, group, ctx, head_dim)
     keys, values = keys[0, :, None].expand(shape), values[0, :, None].expand(shape)
     q = q.reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    if q_len == ctx:
-        o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
+    windowed = sliding_window is not None and ctx > sliding_window
+    if q_len == ctx and not windowed:
+        o = _attend(q, keys, values, None, scale, softcap, is_causal=True)
     else:
-        positions = torch.arange(ctx, device=q.device)
-        mask = positions[None, :] <= positions[ctx - q_len :, None]
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        key_pos = torch.arange(ctx, device=q.device)[None, :]
+        query_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        mask = key_pos <= query_pos
+        if windowed:
+            mask &= key_pos > query_pos - sliding_window
+        o = _attend(q, keys, values, mask, scale, softcap)
     return o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+
+
+def _attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Softmax attention of ``q [..., q_len, d]`` over ``keys``/``values [..., ctx, d]``.
+
+    ``mask`` (bool, broadcast to ``[..., q_len, ctx]``, True = attend) or
+    ``is_causal`` (top-left, for ``q_len == ctx``). Without ``softcap``: SDPA.
+    With it: explicit fp32 scores ``softcap * tanh(q k^T * scale / softcap)``,
+    softmax and weighted sum, cast back to the query's dtype.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2))
+    scores = torch.tanh(scores * (scale / softcap)) * softcap
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), values.float()).to(q.dtype)
 
 
 def _gather(
@@ -220,20 +285,23 @@ class _GatherBuffers(threading.local):
     faults on every call (that costs more than the copy); reusing two buffers
     (K, V) avoids it. They hold about ``DECODE_CHUNK_BYTES``, or one prefill
     sequence's K+V if larger, per thread that called ``paged_attention`` on CPU.
+    Buffers made under ``torch.inference_mode`` (the engine's forwards) are
+    inference tensors, which cannot be written outside it: each mode has its own.
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.buffers: dict[tuple[int, torch.dtype, bool], torch.Tensor] = {}
 
     def get(self, which: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """An uninitialised ``shape`` tensor of ``like``'s dtype and device (fresh off CPU)."""
         if like.device.type != "cpu":
             return torch.empty(shape, dtype=like.dtype, device=like.device)
         numel = math.prod(shape)
-        buffer = self.buffers.get((which, like.dtype))
+        key = (which, like.dtype, torch.is_inference_mode_enabled())
+        buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
             buffer = torch.empty(numel, dtype=like.dtype)
-            self.buffers[(which, like.dtype)] = buffer
+            self.buffers[key] = buffer
         return buffer[:numel].view(shape)
 
 

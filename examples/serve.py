@@ -21,7 +21,7 @@ import time
 import torch
 import transformers
 
-from kvdaemon.client import KVClient
+from kvdaemon.client import KVClient, KVPool
 from kvdaemon.integrations.hf import Engine, kv_spec_for
 
 MiB = 1 << 20
@@ -40,9 +40,9 @@ def build_model(arch: str, seed: int) -> transformers.PreTrainedModel:
     return model.eval()
 
 
-def serve_round(engine: Engine, rng: random.Random, num_requests: int) -> str:
+def serve_round(engine: Engine, pool: KVPool, rng: random.Random, num_requests: int) -> str:
     """Submit ``num_requests`` prompts at once, run them to the end; one line of figures."""
-    was_asleep = engine.pool.sleep_mode
+    was_asleep = pool.sleep_mode
     started = time.perf_counter()
     requests = [
         engine.add_request([rng.randrange(3, 1024) for _ in range(rng.randint(128, 384))], 64)
@@ -56,7 +56,7 @@ def serve_round(engine: Engine, rng: random.Random, num_requests: int) -> str:
     woke = f" (woke from {was_asleep} sleep)" if was_asleep else ""
     return (f"{num_requests} requests in {elapsed:.1f} s{woke}: TTFT mean {statistics.fmean(ttfts):.2f} s, "
             f"max {max(ttfts):.2f} s, {tokens / elapsed:.0f} tokens/s, "
-            f"{engine.pool.mapped_bytes / MiB:.1f} MiB mapped, {engine.num_preemptions} preemptions so far")
+            f"{pool.mapped_bytes / MiB:.1f} MiB mapped, {engine.num_preemptions} preemptions so far")
 
 
 def main() -> None:
@@ -75,7 +75,7 @@ def main() -> None:
         pool = client.register(opts.name, kv_spec_for(model, block_size=16))
         with Engine(model, pool) as engine:
             for round_no in range(1, opts.rounds + 1):
-                print(f"[{opts.name}] round {round_no}: {serve_round(engine, rng, opts.requests)}", flush=True)
+                print(f"[{opts.name}] round {round_no}: {serve_round(engine, pool, rng, opts.requests)}", flush=True)
                 if round_no < opts.rounds:
                     print(f"[{opts.name}] idle for {opts.pause_s:.0f} s", flush=True)
                     time.sleep(opts.pause_s)

@@ -1,28 +1,32 @@
 """transformers attention over a pool's paged KV: one ragged batch per forward, no gather.
 
-``register()`` adds ``ATTENTION_NAME`` to transformers' ``AttentionInterface``;
-a model switched to it (``model.set_attn_implementation(ATTENTION_NAME)``) calls
-``paged_attention_forward`` in every attention layer. ``build_step`` packs a
-step's tokens into one row (``input_ids [1, total_tokens]``, per-token
-positions) and makes the ``PagedStep`` the engine passes as the
-``kvdaemon_step`` keyword, which transformers forwards to the attention
-function. Each layer then:
+``register()`` adds ``ATTENTION_NAME`` to transformers' ``AttentionInterface``.
+``build_step`` packs a step's tokens into one row (``input_ids [1, total_tokens]``,
+per-token positions) and makes its ``PagedStep``; ``paged_forward`` runs the
+model over that row with its attention switched to ``ATTENTION_NAME`` and the
+step current (a context variable of the calling thread, so a family whose
+layers do not pass the forward's keyword arguments on still finds it). Each
+attention layer then:
 
 1. writes the new tokens' K/V into their slots of the layer's pool tensors
    (``store_kv``), and
-2. runs ``paged_attention`` of the new queries over each sequence's blocks.
+2. runs ``paged_attention`` of the new queries over each sequence's blocks,
+   with the ``scaling``, ``sliding_window`` and ``softcap`` the layer passes (a
+   window no shorter than the step's longest context is dropped: it cannot
+   bind, and without it the Triton path can run).
 
 transformers builds no attention mask for an implementation it has no mask
 function for, so a step costs no ``[tokens, context]`` mask either.
 
-Requirements on the model (checked by the engine): attention modules with a
-``layer_idx`` that call the attention interface with ``(query, key, value)`` as
-``[1, heads, tokens, head_dim]`` (Llama, Qwen2, Mistral and most decoder-only
-families of transformers 5), no sliding window, no logit soft-capping.
+Requirements on the model: attention modules with a ``layer_idx`` that call the
+attention interface with ``(query, key, value)`` as ``[1, heads, tokens,
+head_dim]``, causal, without sinks. The engine does not trust a list of
+families: ``hf_probe`` checks each model at construction.
 """
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +52,12 @@ class PagedStep:
     block_tables: torch.Tensor  # [batch, max_blocks]
     seq_lens: torch.Tensor  # [batch]
     query_start_loc: torch.Tensor  # [batch + 1]
+    max_seq_len: int  # max(seq_lens) on the host: a window at least this long cannot bind
     impl: Impl = "auto"
+
+
+_STEP: contextvars.ContextVar[PagedStep | None] = contextvars.ContextVar("kvdaemon_step", default=None)
+"""The step of the ``paged_forward`` running in this thread (``None`` outside one)."""
 
 
 def build_step(
@@ -87,7 +96,9 @@ def build_step(
     def tensor(values: list[Any]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    step = PagedStep(caches[0], caches[1], tensor(slots), tensor(padded), tensor(seq_lens), tensor(starts), impl)
+    step = PagedStep(
+        caches[0], caches[1], tensor(slots), tensor(padded), tensor(seq_lens), tensor(starts), max(seq_lens), impl
+    )
     return tensor(ids)[None], tensor(positions)[None], step, tensor(keep)
 
 
@@ -99,25 +110,54 @@ def paged_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    kvdaemon_step: PagedStep | None = None,
-    **_kwargs: Any,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Store this layer's new K/V and attend over the pool; ``([1, tokens, heads, head_dim], None)``."""
-    if kvdaemon_step is None:
+    step = _STEP.get()
+    if step is None:
         raise BadRequest(
-            f"attention implementation {ATTENTION_NAME!r} runs only inside kvdaemon's Engine "
-            "(the forward had no kvdaemon_step)"
+            f"attention implementation {ATTENTION_NAME!r} runs only inside kvdaemon's paged_forward"
         )
+    if kwargs.get("s_aux") is not None or kwargs.get("is_causal", True) is False:
+        raise BadRequest("the paged attention computes causal attention without sinks only")
     if query.shape[0] != 1:
         raise BadRequest(f"the engine packs a step into one row; got a batch of {query.shape[0]}")
+    if sliding_window is not None and sliding_window >= step.max_seq_len:
+        sliding_window = None  # cannot bind in this step: leaves the Triton path open
     layer = module.layer_idx
-    k_cache, v_cache = kvdaemon_step.k_caches[layer], kvdaemon_step.v_caches[layer]
-    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, kvdaemon_step.slot_mapping)
+    k_cache, v_cache = step.k_caches[layer], step.v_caches[layer]
+    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, step.slot_mapping)
     out = paged_attention(
-        query[0].transpose(0, 1), k_cache, v_cache, kvdaemon_step.block_tables, kvdaemon_step.seq_lens,
-        kvdaemon_step.query_start_loc, scaling, impl=kvdaemon_step.impl,
+        query[0].transpose(0, 1), k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start_loc,
+        scaling, impl=step.impl, sliding_window=sliding_window, softcap=softcap,
     )
     return out.unsqueeze(0), None
+
+
+def paged_forward(
+    model: Any, input_ids: torch.Tensor, positions: torch.Tensor, step: PagedStep, keep: torch.Tensor
+) -> torch.Tensor:
+    """The logits ``[len(keep), vocab]`` of rows ``keep`` of one forward of ``model`` over ``step``.
+
+    The model's attention is ``ATTENTION_NAME`` during the call only; ``register()`` first.
+    BadRequest if the model returns other rows than ``keep`` (it ignores ``logits_to_keep``).
+    """
+    config = model.config
+    previous, config._attn_implementation = config._attn_implementation, ATTENTION_NAME
+    token = _STEP.set(step)
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+    finally:
+        _STEP.reset(token)
+        config._attn_implementation = previous
+    logits = out.logits[0]
+    if logits.shape[0] != keep.numel():
+        raise BadRequest(f"the model returned {logits.shape[0]} rows of logits for {keep.numel()} kept rows "
+                         "(it ignores logits_to_keep)")
+    return logits
 
 
 def register() -> None:
@@ -125,20 +165,3 @@ def register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-
-
-def check_model(model: Any) -> None:
-    """BadRequest unless ``model`` is a decoder whose attention this module can serve."""
-    config = model.config
-    problems = []
-    if getattr(config, "is_encoder_decoder", False):
-        problems.append("it is an encoder-decoder")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        problems.append("it uses sliding-window attention")
-    for name in ("attn_logit_softcapping", "attn_logit_soft_capping"):
-        if getattr(config, name, None):
-            problems.append("it soft-caps attention logits")
-    if not getattr(model, "_can_set_attn_implementation", lambda: False)():
-        problems.append("it does not dispatch through transformers' AttentionInterface")
-    if problems:
-        raise BadRequest(f"{type(model).__name__} cannot run on the paged engine: {'; '.join(problems)}")

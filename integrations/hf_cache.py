@@ -1,4 +1,4 @@
-"""``PagedCache``: a transformers ``Cache`` whose K/V live in a ``KVPool``'s blocks.
+"""``PagedCache``: a transformers ``Cache`` whose K/V live in a pool's blocks (``KVPool``, ``LocalPool``).
 
 ``model.generate(input_ids, past_key_values=PagedCache(pool), ...)`` runs
 unchanged: each batch row is one sequence of a ``BlockManager`` over the pool,
@@ -41,7 +41,7 @@ from kvdaemon.client.block_manager import BlockManager
 from kvdaemon.errors import BadRequest, KVDaemonError, PoolExhausted
 
 if TYPE_CHECKING:
-    from kvdaemon.client.pool import KVPool
+    from kvdaemon.client.engine_pool import EnginePool
 
 
 def _token_major(states: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,7 @@ class _Reservation:
     sequences is all-or-nothing.
     """
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: EnginePool) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.blocks_per_page = pool.blocks_per_page
@@ -171,7 +171,7 @@ class PagedLayer(CacheLayerMixin):
 class PagedCache(Cache):
     """A transformers ``Cache`` over ``pool``'s blocks; see the module docstring."""
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: EnginePool) -> None:
         layers = [PagedLayer(self, i) for i in range(pool.spec.num_layers)]
         super().__init__(layers=layers)
         self.pool = pool

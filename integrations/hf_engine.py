@@ -1,8 +1,15 @@
 """``Engine``: continuous batching for a transformers causal LM whose KV lives in a pool.
 
 ``Engine(model, pool)`` serves greedy generation requests over a ``KVPool``
-(daemon memory) or a ``LocalPool`` (plain tensors): ``add_request`` queues,
-``step`` runs one iteration, ``generate`` runs prompts to completion.
+(daemon memory) or a ``LocalPool`` (plain tensors), any ``EnginePool``:
+``add_request`` queues, ``step`` runs one iteration, ``generate`` runs prompts
+to completion.
+
+Construction probes the model (``hf_probe``): its KV layout from what its
+attention computes, then a short sequence through the paged attention compared
+with the model's own logits. A model that fails either is refused there, with
+a ``BadRequest`` naming its family and the reason; one that passes is served
+exactly. Sliding windows and logit soft-capping run on the torch attention path.
 
 One step = the ``Scheduler``'s batch (decodes, prefill chunks, newly admitted
 prompts after their prefix-cache hit) packed into one row of tokens, one
@@ -15,6 +22,10 @@ Guarantees:
 - Greedy outputs equal the model's own ``generate`` (up to float ties), for any
   batching, chunk size, prefix sharing or preemption: a preempted request
   recomputes its whole context.
+- A request longer than ``max_model_len`` (by default the model's
+  ``max_position_embeddings``; with ``attention_impl="triton"``, which has no
+  sliding window, at most the model's shortest window) or than the pool's
+  virtual capacity is refused by ``add_request``, never failed mid-generation.
 - ``PoolExhausted`` never escapes ``step``: the scheduler preempts or waits.
   ``generate`` raises ``PoolExhausted`` only after ``stall_timeout_s`` seconds
   without a step that computed anything.
@@ -45,9 +56,10 @@ from typing import Any
 import torch
 
 from kvdaemon.client.block_manager import BlockManager
+from kvdaemon.client.engine_pool import EnginePool
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import Asleep, BadRequest, DaemonUnreachable, NoMemory, OverLimit, PoolExhausted
-from kvdaemon.integrations import hf_attention
+from kvdaemon.integrations import hf_attention, hf_probe
 from kvdaemon.integrations.request import Request
 from kvdaemon.integrations.scheduler import Batch, Scheduler
 
@@ -56,14 +68,13 @@ STALL_SLEEP_S = 0.002
 
 
 def kv_spec_for(model: Any, block_size: int = 16, dtype: Any = None) -> KVSpec:
-    """The ``KVSpec`` of ``model``'s KV cache (dtype: the model's, unless given)."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return KVSpec(
-        num_layers=config.num_hidden_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=dtype if dtype is not None else model.dtype,
-    )
+    """The ``KVSpec`` of ``model``'s KV cache, from one probe forward of its attention.
+
+    Layers, KV heads, head dim and dtype (unless ``dtype`` is given) are those of
+    the K/V the attention layers compute (``hf_probe.probe_layout``); BadRequest,
+    naming the family, when they cannot be determined.
+    """
+    return hf_probe.probe_layout(model).kv_spec(block_size, dtype)
 
 
 class Engine:
@@ -72,8 +83,9 @@ class Engine:
     def __init__(
         self,
         model: Any,
-        pool: Any,
+        pool: EnginePool,
         *,
+        max_model_len: int | None = None,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 256,
         enable_prefix_cache: bool = True,
@@ -82,8 +94,12 @@ class Engine:
         attention_impl: hf_attention.Impl = "auto",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        hf_attention.check_model(model)
-        self._check_pool(model, pool)
+        if not isinstance(pool, EnginePool):
+            raise BadRequest(f"{type(pool).__name__} is not a pool the engine can run over (see EnginePool)")
+        layout = hf_probe.probe_layout(model)
+        self._check_pool(model, layout, pool)
+        self.max_model_len = _max_model_len(model, max_model_len, layout, attention_impl)
+        hf_probe.check_paged(model, layout, pool.spec.block_size, attention_impl, self.max_model_len)
         self.model = model
         self.pool = pool
         self.clock = clock
@@ -111,8 +127,8 @@ class Engine:
         pool.grow_wait_s = grow_wait_s
 
     @staticmethod
-    def _check_pool(model: Any, pool: Any) -> None:
-        want = kv_spec_for(model, pool.spec.block_size)
+    def _check_pool(model: Any, layout: hf_probe.AttentionLayout, pool: EnginePool) -> None:
+        want = layout.kv_spec(pool.spec.block_size)
         got = pool.spec
         if (got.num_layers, got.num_kv_heads, got.head_dim, got.dtype_name) != (
             want.num_layers, want.num_kv_heads, want.head_dim, want.dtype_name
@@ -145,6 +161,10 @@ class Engine:
             raise BadRequest(
                 f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the pool's "
                 f"{self.max_num_tokens} tokens of virtual capacity"
+            )
+        if self.max_model_len is not None and len(prompt) + max_new_tokens > self.max_model_len:
+            raise BadRequest(
+                f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed max_model_len {self.max_model_len}"
             )
         stops = self.stop_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
         request = Request(
@@ -236,19 +256,10 @@ class Engine:
         """One forward over the batch; the greedy next token of each request that completes its context."""
         input_ids, positions, step, keep = hf_attention.build_step(
             batch, self.manager, self._caches, self.device, self.attention_impl)
-        config = self.model.config
-        previous, config._attn_implementation = config._attn_implementation, hf_attention.ATTENTION_NAME
-        try:
-            with torch.inference_mode():
-                out = self.model(
-                    input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep,
-                    kvdaemon_step=step,
-                )
-        finally:
-            config._attn_implementation = previous
+        logits = hf_attention.paged_forward(self.model, input_ids, positions, step, keep)
         if not keep.numel():
             return []
-        return out.logits[0].argmax(-1).tolist()
+        return logits.argmax(-1).tolist()
 
     # -- sleep hooks ---------------------------------------------------------------
 
@@ -284,6 +295,29 @@ class Engine:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def _max_model_len(
+    model: Any, asked: int | None, layout: hf_probe.AttentionLayout, impl: hf_attention.Impl
+) -> int | None:
+    """``asked``, else the model's ``max_position_embeddings`` (``None``: no limit known).
+
+    With ``impl="triton"``, which has no sliding window, at most the shortest
+    window: there it cannot bind, so the model runs exactly.
+    """
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked <= 0):
+        raise BadRequest(f"max_model_len must be a positive integer, got {asked!r}")
+    limit = getattr(model.config, "max_position_embeddings", None)
+    length = asked if asked is not None else limit if isinstance(limit, int) and limit > 0 else None
+    windows = [w for w in layout.sliding_windows if w is not None]
+    if impl != "triton" or not windows or (length is not None and length <= min(windows)):
+        return length
+    if asked is not None:
+        raise BadRequest(
+            f"max_model_len {asked} is longer than the model's sliding window {min(windows)}, which "
+            "impl='triton' does not compute; use impl='auto' or a max_model_len within the window"
+        )
+    return min(windows)
 
 
 def _default_stops(model: Any) -> list[int]:

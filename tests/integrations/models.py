@@ -35,7 +35,7 @@ def reference_outputs(model: Any, prompts: list[list[int]], new_tokens: int) -> 
     """transformers' own greedy ``generate`` of each prompt alone (SDPA, default cache)."""
     outputs = []
     for prompt in prompts:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              do_sample=False)
         outputs.append(out[0, len(prompt):].tolist())

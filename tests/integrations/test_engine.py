@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from kvdaemon.client import KVClient, KVPool, PoolExhausted  # noqa: E402
 from kvdaemon.client.local_pool import LocalPool  # noqa: E402
 from kvdaemon.errors import BadRequest  # noqa: E402
+from kvdaemon.integrations import hf_attention  # noqa: E402
 from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
 
 from tests.conftest import RunningDaemon, short_dir, start_daemon, wait_until  # noqa: E402
@@ -145,7 +146,7 @@ def test_stop_tokens_finish_a_request(model: Any) -> None:
 def test_a_request_that_can_never_fit_stalls_then_fails_cleanly(client: KVClient, model: Any) -> None:
     logical_page = kv_spec_for(model, BLOCK).num_segments * PAGE_BYTES
     pool = daemon_pool(client, model, max_bytes=logical_page, num_prefetch_pages=0)
-    engine = Engine(model, pool)
+    engine = Engine(model, pool, max_model_len=1024)  # past the model's 512 positions: RoPE runs on
     with pytest.raises(PoolExhausted, match="no step could run"):
         engine.generate([random_prompts([600])[0]], 4, stall_timeout_s=0.3)
     assert not engine.has_unfinished and engine.manager.num_held_blocks == 0  # cached blocks may stay
@@ -181,6 +182,53 @@ def test_a_pool_that_does_not_fit_the_model_is_refused(model: Any) -> None:
         with pytest.raises(BadRequest, match="does not fit"):
             Engine(model, wrong)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_max_model_len_defaults_to_the_model_positions(model: Any) -> None:
+    engine = Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=256))  # 1024 tokens of pool
+    assert engine.max_model_len == model.config.max_position_embeddings == 512
+    with pytest.raises(BadRequest, match="exceed max_model_len 512"):
+        engine.add_request([1] * 510, 3)
+    assert not engine.has_unfinished
+    engine.close()
+    short = Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=256), max_model_len=16)
+    assert short.generate(random_prompts([8]), 8) == reference_outputs(model, random_prompts([8]), 8)
+    with pytest.raises(BadRequest, match="exceed max_model_len 16"):
+        short.add_request([1] * 9, 8)
+    short.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "64"])
+def test_a_bad_max_model_len_is_refused(model: Any, bad: Any) -> None:
+    with pytest.raises(BadRequest, match="max_model_len"):
+        Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=8), max_model_len=bad)
+
+
+def test_what_cannot_run_is_refused_at_construction(model: Any) -> None:
+    pool = LocalPool(kv_spec_for(model, BLOCK), num_blocks=8)
+    with pytest.raises(BadRequest, match="impl='triton' needs CUDA"):
+        Engine(model, pool, attention_impl="triton")  # CPU tensors
+    with pytest.raises(BadRequest, match="impl must be"):
+        Engine(model, pool, attention_impl="fast")  # type: ignore[arg-type]
+    with pytest.raises(BadRequest, match="not a pool the engine can run over"):
+        Engine(model, object())  # type: ignore[arg-type]
+    model.train()
+    try:
+        with pytest.raises(BadRequest, match="training mode"):
+            Engine(model, pool)
+    finally:
+        model.eval()
+    assert pool.num_used_blocks == 0 and model.config._attn_implementation == "sdpa"
+
+
+def test_the_paged_attention_outside_the_engine_is_refused(model: Any) -> None:
+    Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=8)).close()  # registered it
+    previous, model.config._attn_implementation = model.config._attn_implementation, hf_attention.ATTENTION_NAME
+    try:
+        with pytest.raises(BadRequest, match="runs only inside kvdaemon's paged_forward"):
+            model(input_ids=torch.tensor([[3, 4, 5]]), use_cache=False)
+    finally:
+        model.config._attn_implementation = previous
 
 
 @pytest.mark.parametrize("mode", ["warm", "cold"])

@@ -1,0 +1,54 @@
+"""``EnginePool``: what an engine needs of a pool of KV blocks.
+
+``KVPool`` (daemon memory) and ``LocalPool`` (plain tensors) both satisfy it, so
+``kvdaemon.integrations.hf.Engine`` runs over either. It extends the
+``BlockManager``'s ``BlockSource`` (blocks: ``alloc``/``free``/``copy_blocks``)
+with the per-layer K/V tensors, the layout, the sleep state the engine reads, and
+the hooks it installs. Importing this module imports neither torch nor the daemon
+client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from kvdaemon.client.block_manager import BlockSource
+from kvdaemon.client.spec import KVSpec
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class EnginePool(BlockSource, Protocol):
+    """A paged KV cache an engine runs over (``KVPool``, ``LocalPool``).
+
+    Blocks ``[0, num_blocks)`` of ``spec.block_size`` tokens; ``key_cache(layer)``
+    and ``value_cache(layer)`` are ``[num_blocks, block_size, num_kv_heads,
+    head_dim]`` tensors at fixed addresses. The engine sets the hooks and
+    ``grow_wait_s`` and clears the hooks when it closes.
+    """
+
+    spec: KVSpec
+    num_blocks: int
+    sleep_mode: str | None
+    """``None`` while awake; the engine calls ``wake()`` before a step otherwise."""
+    num_block_losses: int
+    """Times every block's contents were dropped (cold sleep): the engine recomputes then."""
+    grow_wait_s: float | None
+    quiesce_hook: Callable[[], None] | None
+    resume_hook: Callable[[], None] | None
+    reclaim_hook: Callable[[int], int] | None
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        """K of ``layer``."""
+        ...
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        """V of ``layer``, same shape as ``key_cache``."""
+        ...
+
+    def wake(self) -> None:
+        """Return once the pool is awake; raises (``Asleep``, ``NoMemory``...) if it cannot be yet."""
+        ...
