@@ -48,7 +48,6 @@ tokens + blocks) Python work to build the index tensors.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -62,6 +61,7 @@ from kvdaemon.errors import Asleep, BadRequest, DaemonUnreachable, NoMemory, Ove
 from kvdaemon.integrations import hf_attention, hf_probe
 from kvdaemon.integrations.request import Request
 from kvdaemon.integrations.scheduler import Batch, Scheduler
+from kvdaemon.integrations.step_gate import StepGate
 
 STALL_SLEEP_S = 0.002
 """How long ``generate`` sleeps after a step that could compute nothing."""
@@ -114,7 +114,7 @@ class Engine:
         self.num_computed_tokens = 0  # tokens whose K/V a forward computed (prefix-cache hits excluded)
         self.last_num_scheduled_tokens = 0
         self._next_request_id = 0
-        self._step_lock = threading.Lock()  # held by a step, and from quiesce to resume
+        self._step_lock = StepGate()  # held by a step, and from quiesce to resume; quiesce first
         self._num_block_losses = pool.num_block_losses
         self._caches = (
             [pool.key_cache(i) for i in range(pool.spec.num_layers)],
@@ -265,7 +265,7 @@ class Engine:
 
     def _quiesce(self) -> None:
         """Wait for the running step; no step starts until ``_resume``."""
-        self._step_lock.acquire()
+        self._step_lock.quiesce()
 
     def _resume(self) -> None:
         """After a sleep (or a refused one) or a move to a restarted daemon: if the pool lost its
@@ -275,7 +275,7 @@ class Engine:
                 self._num_block_losses = self.pool.num_block_losses
                 self.scheduler.forget_cache()
         finally:
-            self._step_lock.release()
+            self._step_lock.resume()
 
     # -- lifecycle -------------------------------------------------------------------
 
