@@ -95,10 +95,10 @@ class KVPool:
         """Reserve the ranges, build the tensor views, start the background agent."""
         import torch
 
-        dtype = getattr(torch, self.spec.dtype_name)
+        dtype = getattr(torch, self.spec.segment_dtype_name)
         span = self.num_virtual_pages * self.page_bytes
         view_bytes = self.num_blocks * self.spec.block_bytes
-        shape = (self.num_blocks, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = self.spec.segment_shape(self.num_blocks)
         try:
             for _ in range(self.spec.num_segments):
                 self._bases.append(self.backend.reserve(span))
@@ -151,11 +151,17 @@ class KVPool:
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """K of ``layer``: ``[num_blocks, block_size, num_kv_heads, head_dim]``, fixed address."""
-        return self._caches[2 * layer]
+        return self._caches[self.spec.key_segment(layer)]
 
     def value_cache(self, layer: int) -> torch.Tensor:
         """V of ``layer``, same shape as ``key_cache``."""
-        return self._caches[2 * layer + 1]
+        return self._caches[self.spec.value_segment(layer)]
+
+    def segment(self, index: int) -> torch.Tensor:
+        """Segment ``index``'s view (``spec.segment_shape``), fixed address; block b is row b."""
+        if not 0 <= index < len(self._caches):
+            raise BadRequest(f"segment {index} is outside the pool's {len(self._caches)} segments")
+        return self._caches[index]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy K and V of every layer from blocks ``src`` to blocks ``dst`` (all live)."""

@@ -105,6 +105,12 @@ class LifecycleError(KVDaemonError):
     code = "LIFECYCLE"
 
 
+class Unsupported(KVDaemonError):
+    """An engine, its version or its configuration is outside what an integration supports."""
+
+    code = "UNSUPPORTED"
+
+
 class BackendError(KVDaemonError):
     """A virtual-memory backend operation failed.
 
@@ -137,6 +143,7 @@ _BY_CODE: dict[str, type[KVDaemonError]] = {
         DaemonUnreachable,
         ConfigError,
         LifecycleError,
+        Unsupported,
         BackendError,
     )
 }
