@@ -24,6 +24,9 @@ from typing import Any
 
 from kvdaemon.errors import Unsupported
 
+WRAPPED = "__kvdaemon_wrapped__"
+"""Marks what the plugin put in vLLM's place (so a second check accepts a patched vLLM)."""
+
 TESTED_SERIES = (0, 33)
 """vLLM releases the plugin was tested on: 0.33.x."""
 
@@ -159,7 +162,7 @@ def _resolve(version: str) -> VllmSurface:
 
     coordinator_cls = r.attr(coordinator, "KVCacheCoordinator", where=coordinator.__name__)
     block_pool_cls = r.attr(block_pool_mod, "BlockPool", where=block_pool_mod.__name__)
-    if r.attr(coordinator, "BlockPool", where=coordinator.__name__) is not block_pool_cls:
+    if not _is_or_replaces(r.attr(coordinator, "BlockPool", where=coordinator.__name__), block_pool_cls):
         r.missing.append(f"{coordinator.__name__}.BlockPool is vLLM's BlockPool")
     r.methods(coordinator_cls, ("get_num_blocks_to_allocate",), "KVCacheCoordinator")
     r.methods(block_pool_cls, (
@@ -189,7 +192,7 @@ def _resolve(version: str) -> VllmSurface:
     allocate = r.attr(worker_utils, "allocate_kv_cache", where=worker_utils.__name__)
     r.params(allocate, "allocate_kv_cache", "allocate_kv_cache")
     for runner in runners:
-        if getattr(runner, "allocate_kv_cache", None) is not allocate:
+        if not _is_or_replaces(getattr(runner, "allocate_kv_cache", None), allocate):
             r.missing.append(f"{runner.__name__}.allocate_kv_cache is vllm.v1.worker.utils.allocate_kv_cache")
     views = r.attr(interface, "create_kv_cache_views", where=interface.__name__)
     r.params(views, "create_kv_cache_views", "create_kv_cache_views")
@@ -214,6 +217,10 @@ def _resolve(version: str) -> VllmSurface:
         allocate_kv_cache=allocate, create_kv_cache_views=views, kv_cache_tensor_cls=tensor_cls,
         full_attention_spec_cls=spec_cls, layout_cls=layout_cls,
     )
+
+
+def _is_or_replaces(found: Any, original: Any) -> bool:
+    return found is original or getattr(found, WRAPPED, False)
 
 
 def _probe_block_pool(r: _Resolver, block_pool_cls: type) -> None:

@@ -33,21 +33,20 @@ from typing import Any
 
 from kvdaemon.integrations.vllm.block_pool import pooled_block_pool_class
 from kvdaemon.integrations.vllm.config import PluginConfig
-from kvdaemon.integrations.vllm.gate import VllmSurface
+from kvdaemon.integrations.vllm.gate import WRAPPED, VllmSurface
 from kvdaemon.integrations.vllm.layout import pooled_layouts
 from kvdaemon.integrations.vllm.tenant import current_tenant
 from kvdaemon.integrations.vllm.worker import (
     available_kv_bytes, in_real_allocation, pool_kv_cache_views, real_allocation,
 )
 
-_MARK = "__kvdaemon_wrapped__"
-
-
 def install(surface: VllmSurface, config: PluginConfig) -> bool:
     """Patch vLLM (see the module docstring); False if it was already patched."""
-    if getattr(surface.scheduler_cls.schedule, _MARK, False):
+    if getattr(surface.scheduler_cls.schedule, WRAPPED, False):
         return False
-    surface.coordinator_module.BlockPool = pooled_block_pool_class(surface.block_pool_cls)
+    pooled = pooled_block_pool_class(surface.block_pool_cls)
+    setattr(pooled, WRAPPED, True)
+    surface.coordinator_module.BlockPool = pooled
     _wrap(surface.coordinator_cls, "get_num_blocks_to_allocate", _ensuring_free)
     _wrap(surface.scheduler_cls, "schedule", _gated(needs_memory=True))
     for name in ("update_from_output", "finish_requests", "reset_prefix_cache"):
@@ -66,7 +65,7 @@ def install(surface: VllmSurface, config: PluginConfig) -> bool:
 def _wrap(cls: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
     original = getattr(cls, name)
     wrapper = functools.wraps(original)(make(original))
-    setattr(wrapper, _MARK, True)
+    setattr(wrapper, WRAPPED, True)
     setattr(cls, name, wrapper)
 
 
@@ -154,4 +153,5 @@ def _allocate(surface: VllmSurface) -> Callable[..., dict[str, Any]]:
             return original(kv_cache_config, device, layout, kernel_block_sizes)
         return pool_kv_cache_views(surface, current_tenant(), kv_cache_config, device, layout, kernel_block_sizes)
 
+    setattr(allocate_kv_cache, WRAPPED, True)
     return allocate_kv_cache

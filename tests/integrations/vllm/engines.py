@@ -151,13 +151,13 @@ class Engine:
 
 def start_engine(
     surface: VllmSurface, kvd_dir: Path, model_dir: Path, name: str, *,
-    max_size: str | None = None, **config_kw: Any,
+    max_size: str | None = None, layout: str = "LBHNC", **config_kw: Any,
 ) -> Engine:
     """Register ``name`` and build vLLM's Scheduler over it (see the module docstring)."""
     tenant = start_tenant(surface, kvd_dir, name, max_size)
     try:
         config = vllm_config(model_dir, **config_kw)
-        worker_kv_config, scheduler_kv_config = plan_kv_cache(config, tenant.kv_bytes)
+        worker_kv_config, scheduler_kv_config = plan_kv_cache(config, tenant.kv_bytes, layout)
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         scheduler = Scheduler(
