@@ -16,7 +16,9 @@ events and metrics run unchanged:
   gives the formerly cached blocks back to the pool;
 - ``release_free(n)`` gives up to n unheld blocks back to the pool (spare ones
   first, then cached ones, oldest first, their hashes dropped through vLLM's
-  eviction so events and metrics see it): the answer to a daemon reclaim.
+  eviction so events and metrics see it): the answer to a daemon reclaim;
+  ``release_spare()`` gives back the blocks taken ahead but not used, at the
+  end of each ``schedule``.
 
 The class is made from the ``BlockPool`` the gate resolved, once per process.
 """
@@ -70,6 +72,10 @@ def pooled_block_pool_class(block_pool_cls: type) -> type:
                 cached = queue.pop_cached(len(queue.cached))
                 queue.give_back([block.block_id for block in cached])
             return done
+
+        def release_spare(self) -> None:
+            queue = self.free_block_queue
+            queue.give_back(queue.pop_spare(len(queue.spare)))
 
         def release_free(self, num_blocks: int) -> int:
             queue = self.free_block_queue

@@ -56,12 +56,18 @@ class EngineGate:
 
     @contextmanager
     def hold(self, scheduler: Any = None, needs_memory: bool = False) -> Iterator[None]:
-        """Hold the gate for one engine call; catch up first (see the module docstring)."""
+        """Hold the gate for one engine call; catch up first (see the module docstring).
+
+        After a call that ``needs_memory`` (a schedule), blocks taken ahead of
+        need and not used go back to the pool.
+        """
         with self.lock:
             if scheduler is not None:
                 self.scheduler = scheduler
             self._catch_up(needs_memory)
             yield
+            if needs_memory and self.block_pool is not None and self.pool.sleep_mode is None:
+                self.block_pool.release_spare()
 
     def _catch_up(self, needs_memory: bool) -> None:
         if self.pool.num_block_losses != self._num_losses:

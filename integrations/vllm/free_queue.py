@@ -6,7 +6,7 @@ LRU order. This queue keeps the same contract over a ``KVPool``:
 
 - *held* blocks are vLLM's (ref count > 0, or the null block);
 - *spare* blocks were taken from the pool ahead of need (``ensure_free``) and
-  are handed out first;
+  are handed out first (what is left goes back after each ``schedule``);
 - *cached* blocks were freed by vLLM with their KV kept (prefix cache, or
   ``unpin_blocks``): they stay allocated in the pool, so their pages stay
   mapped, and are handed out (evicted) oldest first, or given back to the pool
@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from kvdaemon.errors import KVDaemonError, Unsupported
+from kvdaemon.errors import KVDaemonError, PoolExhausted, Unsupported
 
 if TYPE_CHECKING:
     from kvdaemon.client import KVPool
@@ -103,7 +103,8 @@ class PooledFreeQueue:
         try:
             self._take(self.pool.alloc(wanted))
         except KVDaemonError as exc:
-            log.debug("pool %s: grow for %d blocks refused: %s", self.pool.name, wanted, exc)
+            level = logging.DEBUG if isinstance(exc, PoolExhausted) else logging.WARNING
+            log.log(level, "pool %s: no grow for %d blocks: %s", self.pool.name, wanted, exc)
             self.headroom.refused()
 
     def _take(self, ids: list[int]) -> None:

@@ -185,6 +185,7 @@ def _resolve(version: str) -> VllmSurface:
 
     worker_cls = r.attr(worker_mod, "Worker", where=worker_mod.__name__)
     worker_base_cls = r.attr(worker_base_mod, "WorkerBase", where=worker_base_mod.__name__)
+    r.methods(worker_cls, ("get_kv_cache_spec",), "Worker")
     for cls, name in ((worker_cls, "determine_available_memory"), (worker_cls, "initialize_from_config"),
                       (worker_base_cls, "get_supported_kv_cache_layouts")):
         r.params(r.attr(cls, name, where=getattr(cls, "__name__", "?")), name, f"{name}")

@@ -139,8 +139,9 @@ class Engine:
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
     def check(self) -> None:
-        """Every block the pool handed out is held by vLLM, spare or cached in the queue."""
+        """Every block the pool handed out is held by vLLM or cached (spare ones went back after the step)."""
         queue = self.block_pool.free_block_queue
+        assert not queue.spare
         assert self.tenant.pool.num_used_blocks == queue.num_held + len(queue.spare) + len(queue.cached)
         held = sum(1 for block in self.block_pool.blocks if block.ref_cnt > 0)
         assert queue.num_held == held + 1  # and the null block
