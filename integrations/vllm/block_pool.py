@@ -3,8 +3,8 @@
 The class is vLLM's own with four changes, so vLLM's prefix hashing, KV
 events and metrics run unchanged:
 
-- the free queue is a ``PooledFreeQueue`` over the tenant's pool, and the null
-  block (block 0) is taken from the pool for the pool's life;
+- the free queue is a ``PooledFreeQueue`` over the tenant's pool; the null
+  block (block 0) is the pool's block 0, taken when the tenant registered;
 - ``ensure_free(n)``, called by the coordinator right after it computed a
   request's block need, maps pages ahead so that vLLM's own free check sees
   blocks it can really have: when the daemon refuses, the free count drops to
@@ -50,9 +50,8 @@ def pooled_block_pool_class(block_pool_cls: type) -> type:
             tenant.check_num_blocks(num_gpu_blocks)
             super().__init__(num_gpu_blocks, *args, **kwargs)
             self.tenant: VllmTenant = tenant
-            # vLLM's null block is block 0 (the gate checked): it is taken from the pool for good.
+            # vLLM's null block is block 0 (the gate checked), which the tenant holds for good.
             self.free_block_queue = PooledFreeQueue(tenant.pool, tenant.headroom, self.blocks)
-            self.free_block_queue.take_null_block()
             tenant.attach_block_pool(self)
 
         def ensure_free(self, num_blocks: int) -> None:

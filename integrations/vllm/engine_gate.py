@@ -79,7 +79,7 @@ class EngineGate:
             return
         queue = block_pool.free_block_queue
         if not queue.owned[0]:
-            queue.take_null_block()
+            queue.retake_null_block()
         if self.pool.owed_pages:
             block_pool.release_free(self.pool.owed_pages * self.pool.blocks_per_page)
 

@@ -41,6 +41,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvdaemon.integrations.vllm")
 
 
+def take_block_zero(pool: KVPool) -> None:
+    """Allocate block 0 of a fresh (or emptied) pool for vLLM's null block; ``Unsupported`` otherwise.
+
+    vLLM pads block tables with block 0 and its warm-up reads it, so its page
+    is mapped before the first forward pass and stays mapped while held.
+    """
+    ids = pool.alloc(1)
+    if ids != [0]:
+        pool.free(ids)
+        raise Unsupported(
+            f"pool {pool.name!r} handed out block {ids[0]} first, not block 0: "
+            "vLLM's null block must be block 0 (register a fresh tenant for the engine)"
+        )
+
+
 class PooledFreeQueue:
     """The free blocks of a pooled ``BlockPool`` (see the module docstring)."""
 
@@ -51,7 +66,8 @@ class PooledFreeQueue:
         self.spare: list[int] = []
         self.cached: dict[int, Any] = {}  # block id -> block, oldest first
         self.owned = bytearray(len(blocks))  # taken from the pool since the last loss
-        self.num_held = 1  # blocks vLLM holds; the null block (block 0) is held for good
+        self.owned[0] = 1  # vLLM's null block: the tenant took it at registration
+        self.num_held = 1  # blocks vLLM holds; the null block is held for good
         self._unheld_view = False
 
     # -- counts ----------------------------------------------------------------
@@ -79,15 +95,9 @@ class PooledFreeQueue:
 
     # -- taking from the pool ----------------------------------------------------
 
-    def take_null_block(self) -> None:
-        """Take block 0 from the pool for vLLM's null block (again after a loss); its page stays mapped."""
-        ids = self.pool.alloc(1)
-        if ids != [0]:
-            self.pool.free(ids)
-            raise Unsupported(
-                f"pool {self.pool.name!r} handed out block {ids[0]} first, not block 0: "
-                "vLLM's null block must be block 0 (register a fresh tenant for the engine)"
-            )
+    def retake_null_block(self) -> None:
+        """Take block 0 from the pool again after a loss (vLLM's null block; its page stays mapped)."""
+        take_block_zero(self.pool)
         self.owned[0] = 1
 
     def ensure_free(self, num_blocks: int) -> None:

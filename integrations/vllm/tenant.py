@@ -1,8 +1,9 @@
 """``VllmTenant``: the one kvdaemon tenant of a vLLM engine process, and what it supports.
 
 The worker registers it (``register_tenant``) when vLLM asks how much KV
-memory there is, before any KV is planned; the scheduler's block pool, built
-later in the same process, finds it with ``current_tenant``. One engine is one
+memory there is, before any KV is planned, and takes the pool's block 0 for
+vLLM's null block at once (vLLM's warm-up reads it); the scheduler's block
+pool, built later in the same process, finds it with ``current_tenant``. One engine is one
 tenant: its pool has one joint segment per layer and ``grow_wait_s=0`` (a
 grow the free pages cannot serve fails at once; the scheduler preempts or
 waits while the daemon reclaims for the next try).
@@ -24,6 +25,7 @@ from kvdaemon.client import KVClient, KVSpec
 from kvdaemon.errors import Unsupported
 from kvdaemon.integrations.vllm.config import PluginConfig
 from kvdaemon.integrations.vllm.engine_gate import EngineGate
+from kvdaemon.integrations.vllm.free_queue import take_block_zero
 from kvdaemon.integrations.vllm.headroom import Headroom
 
 if TYPE_CHECKING:
@@ -111,6 +113,12 @@ def register_tenant(config: PluginConfig, spec: KVSpec) -> VllmTenant:
             min_bytes=config.min_bytes(capacity), weight=config.weight, grow_wait_s=0,
         )
     except BaseException:
+        client.close()
+        raise
+    try:
+        take_block_zero(pool)  # vLLM's null block, mapped before its warm-up reads it
+    except BaseException:
+        pool.close()
         client.close()
         raise
     tenant = VllmTenant(config, client, pool)

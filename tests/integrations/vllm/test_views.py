@@ -118,6 +118,8 @@ def test_vllm_plans_exactly_the_pools_blocks(surface: Any, kvd: RunningDaemon, m
     set_current_tenant(None)
     tenant = available_kv_bytes(surface, PluginConfig(tenant="sized", dir=str(kvd.dir)), worker)
     try:
+        # Block 0 (vLLM's null block, which its warm-up reads) is mapped before any scheduler exists.
+        assert tenant.pool.num_used_blocks == 1 and not tenant.pool.segment(0)[0].any()
         assert config.cache_config.kv_cache_memory_bytes == tenant.kv_bytes == 256 * PAGE * 2
         worker_config, scheduler_config = plan_kv_cache(config, tenant.kv_bytes)
         assert worker_config.num_blocks == scheduler_config.num_blocks == tenant.pool.num_blocks == 256
