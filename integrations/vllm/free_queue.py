@@ -152,7 +152,7 @@ class PooledFreeQueue:
             self.headroom.refused()
             ids, reason = [], str(exc)
         else:
-            reason = "the daemon refused to grow the pool"
+            reason = "no grow allowed now (a refusal since the last refresh, or the limit)"
         if len(ids) < num_blocks:
             self._restore(taken)
             raise ValueError(f"no free blocks: {num_blocks} more wanted from pool {self.pool.name!r}; {reason}")
