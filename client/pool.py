@@ -1,9 +1,12 @@
 """``KVPool``: one tenant's KV cache over reserved virtual ranges, backed on demand.
 
-Each segment (K and V of every layer, layer-major) is one reserved range of
-``num_virtual_pages`` pages, viewed as a tensor
-``[num_blocks, block_size, num_kv_heads, head_dim]`` that never moves: block ids
-and the tensors stay valid for the life of the pool. Physical pages are mapped
+Each segment is one reserved range of ``num_virtual_pages`` pages, viewed as a
+tensor that never moves (``KVSpec.segment_shape``): in the default ``split``
+layout K and V of every layer are separate segments
+``[num_blocks, block_size, num_kv_heads, head_dim]`` (``key_cache(l)``,
+``value_cache(l)``); in the ``joint`` layout (vLLM's) one segment per layer
+holds a block's K and V together (``segment(l)``). Block ids and the tensors
+stay valid for the life of the pool. Physical pages are mapped
 under the views only while blocks need them:
 
 - ``alloc(n)`` takes blocks from mapped pages (``BlockAllocator``: fullest page
@@ -76,9 +79,9 @@ class KVPool:
         """Reserve the ranges, build the tensor views, start the background agent."""
         import torch
 
-        dtype = getattr(torch, self.spec.dtype_name)
+        dtype = getattr(torch, self.spec.segment_dtype_name)
         view_bytes = self.num_blocks * self.spec.block_bytes
-        shape = (self.num_blocks, self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = self.spec.segment_shape(self.num_blocks)
         segments = self.core.segments
         segments.reserve()
         try:
@@ -179,17 +182,20 @@ class KVPool:
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """K of ``layer``: ``[num_blocks, block_size, num_kv_heads, head_dim]``, fixed address."""
-        return self._caches[2 * self._layer(layer)]
+        self._check_open()
+        return self._caches[self.spec.key_segment(layer)]
 
     def value_cache(self, layer: int) -> torch.Tensor:
         """V of ``layer``, same shape as ``key_cache``."""
-        return self._caches[2 * self._layer(layer) + 1]
-
-    def _layer(self, layer: int) -> int:
         self._check_open()
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.num_layers:
-            raise BadRequest(f"layer {layer!r} is outside the pool's layers 0..{self.spec.num_layers - 1}")
-        return layer
+        return self._caches[self.spec.value_segment(layer)]
+
+    def segment(self, index: int) -> torch.Tensor:
+        """Segment ``index``'s view (``spec.segment_shape``), fixed address; block b is row b."""
+        self._check_open()
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self._caches):
+            raise BadRequest(f"segment {index!r} is outside the pool's segments 0..{len(self._caches) - 1}")
+        return self._caches[index]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy K and V of every layer from blocks ``src`` to blocks ``dst`` (all live)."""
@@ -222,6 +228,20 @@ class KVPool:
     @property
     def mapped_bytes(self) -> int:
         return self.core.mapped_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one physical page (a logical page is one per segment)."""
+        return self.core.page_bytes
+
+    @property
+    def num_virtual_pages(self) -> int:
+        return self.core.num_virtual_pages
+
+    @property
+    def owed_pages(self) -> int:
+        """Pages the daemon asked back that are still in use: they go back as blocks are freed."""
+        return self.core.owed_pages
 
     @property
     def max_bytes(self) -> int | None:

@@ -1,1 +1,1 @@
-"""Engine adapters: ``hf`` (transformers)."""
+"""Engine adapters: ``hf`` (transformers) and ``vllm`` (a vLLM plugin)."""

@@ -121,6 +121,12 @@ class LifecycleError(KVDaemonError):
     code = "LIFECYCLE"
 
 
+class Unsupported(KVDaemonError):
+    """An engine, its version or its configuration is outside what an integration supports."""
+
+    code = "UNSUPPORTED"
+
+
 class BackendError(KVDaemonError):
     """A virtual-memory backend operation failed.
 
@@ -156,6 +162,7 @@ _BY_CODE: dict[str, type[KVDaemonError]] = {
         PoolClosed,
         ConfigError,
         LifecycleError,
+        Unsupported,
         BackendError,
     )
 }

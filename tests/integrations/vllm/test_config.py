@@ -1,0 +1,80 @@
+"""The plugin's settings from the environment, and the engines it refuses (no vLLM needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvdaemon.errors import ConfigError, Unsupported
+from kvdaemon.integrations.vllm.config import PluginConfig
+from kvdaemon.integrations.vllm.tenant import check_parallel, current_tenant
+
+
+def test_no_tenant_no_config() -> None:
+    assert PluginConfig.from_env({}) is None
+    assert PluginConfig.from_env({"KVDAEMON_VLLM_TENANT": "", "KVDAEMON_VLLM_MAX": "1GiB"}) is None
+
+
+def test_every_variable_is_read() -> None:
+    config = PluginConfig.from_env({
+        "KVDAEMON_VLLM_TENANT": " llama-a ", "KVDAEMON_DIR": "/tmp/kvd-x", "KVDAEMON_VLLM_MAX": "25%",
+        "KVDAEMON_VLLM_MIN": "1MiB", "KVDAEMON_VLLM_WEIGHT": "2.5",
+    })
+    assert config is not None
+    assert (config.tenant, config.dir, config.weight) == ("llama-a", "/tmp/kvd-x", 2.5)
+    assert config.max_bytes(4 << 20) == 1 << 20 and config.min_bytes(4 << 20) == 1 << 20
+
+
+def test_defaults() -> None:
+    config = PluginConfig.from_env({"KVDAEMON_VLLM_TENANT": "a"})
+    assert config == PluginConfig(tenant="a")
+    assert config.max_bytes(100) is None and config.min_bytes(100) == 0
+
+
+@pytest.mark.parametrize("var, value, reason", [
+    ("KVDAEMON_VLLM_MAX", "lots", "KVDAEMON_VLLM_MAX='lots'"),
+    ("KVDAEMON_VLLM_MIN", "150%", "KVDAEMON_VLLM_MIN='150%'"),
+    ("KVDAEMON_VLLM_WEIGHT", "0", "KVDAEMON_VLLM_WEIGHT='0': a weight is a positive number"),
+    ("KVDAEMON_VLLM_WEIGHT", "nan", "KVDAEMON_VLLM_WEIGHT='nan'"),
+])
+def test_a_bad_value_names_its_variable(var: str, value: str, reason: str) -> None:
+    with pytest.raises(ConfigError, match=reason):
+        PluginConfig.from_env({"KVDAEMON_VLLM_TENANT": "a", var: value})
+
+
+def engine_config(**parallel: Any) -> SimpleNamespace:
+    sizes = {
+        "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+        "decode_context_parallel_size": 1, "prefill_context_parallel_size": 1,
+        "distributed_executor_backend": "uni", **parallel,
+    }
+    return SimpleNamespace(parallel_config=SimpleNamespace(**sizes), kv_transfer_config=None)
+
+
+def test_one_gpu_in_one_process_is_supported() -> None:
+    check_parallel(engine_config())
+
+
+@pytest.mark.parametrize("parallel, reason", [
+    ({"tensor_parallel_size": 2}, "runs engines on one GPU; this one has tensor_parallel_size=2"),
+    ({"pipeline_parallel_size": 2, "data_parallel_size": 4}, "pipeline_parallel_size=2, data_parallel_size=4"),
+    ({"distributed_executor_backend": "mp"}, "distributed_executor_backend='uni'.*uses 'mp'"),
+])
+def test_multi_gpu_engines_are_refused_clearly(parallel: dict, reason: str) -> None:
+    with pytest.raises(Unsupported, match=reason) as info:
+        check_parallel(engine_config(**parallel))
+    assert info.value.code == "UNSUPPORTED"
+
+
+def test_kv_connectors_are_refused() -> None:
+    config = engine_config()
+    config.kv_transfer_config = object()
+    with pytest.raises(Unsupported, match="KV connectors"):
+        check_parallel(config)
+
+
+def test_a_scheduler_without_a_tenant_in_its_process_is_refused() -> None:
+    with pytest.raises(Unsupported, match="engine core and its worker in one process"):
+        current_tenant()
