@@ -85,6 +85,12 @@ class DaemonUnreachable(KVDaemonError):
     code = "UNREACHABLE"
 
 
+class NotAnswering(DaemonUnreachable):
+    """A daemon holds the directory's lock (it runs) but did not answer in time."""
+
+    code = "NOT_ANSWERING"
+
+
 class PoolExhausted(KVDaemonError):
     """A KV pool cannot hand out the blocks asked for; nothing was allocated."""
 
@@ -95,6 +101,19 @@ class ConfigError(KVDaemonError):
     """A configuration value (flag, env variable, file) is invalid."""
 
     code = "CONFIG"
+
+
+class UnsafeDirectory(ConfigError):
+    """A daemon directory is not private: not ours, not mode 0700, a symlink, or not a
+    directory at all. Nothing is created in it, and its mode is left alone."""
+
+    code = "UNSAFE_DIR"
+
+
+class WaitTimeout(KVDaemonError):
+    """What was waited for (a tenant to register, to go idle) did not happen in time."""
+
+    code = "TIMEOUT"
 
 
 class LifecycleError(KVDaemonError):
@@ -135,7 +154,10 @@ _BY_CODE: dict[str, type[KVDaemonError]] = {
         StaleRevision,
         VersionMismatch,
         DaemonUnreachable,
+        NotAnswering,
         ConfigError,
+        UnsafeDirectory,
+        WaitTimeout,
         LifecycleError,
         BackendError,
     )

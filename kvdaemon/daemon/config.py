@@ -3,7 +3,9 @@
 ``load_config`` layers command-line flags over ``KVDAEMON_*`` environment
 variables over a TOML file over the defaults, validates every value (raising
 ``ConfigError`` that names the source and the value) and returns a
-:class:`DaemonConfig` that the rest of the daemon receives as-is.
+:class:`DaemonConfig` that the rest of the daemon receives as-is. Keys are
+spelled like the flags (``page-size`` for ``--page-size``; ``page_size`` is
+read as the same key); ``deploy/kvdaemon.toml`` lists every one.
 ``DaemonConfig.to_argv`` writes it back as flags, so a detached start can hand
 exactly the resolved configuration to its child process.
 """
@@ -30,6 +32,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_PAGE_SIZE_BYTES = 2 * 1024 * 1024
 OS_PAGE_BYTES = 4096
 MAX_SOCKET_PATH_BYTES = 107  # sun_path is 108 bytes including the terminating NUL
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -45,11 +48,13 @@ class DaemonConfig:
     device: int = 0
     capacity: SizeSpec = field(default_factory=lambda: percent_of(50))
     page_size_bytes: int = DEFAULT_PAGE_SIZE_BYTES
+    metrics_host: str = DEFAULT_METRICS_HOST
     metrics_port: int | None = None
     idle_sleep_s: float | None = None
     idle_mode: str = "warm"
     reclaim_sleep: bool = True
     log_level: str = "INFO"
+    log_file: Path | None = None
 
     def __post_init__(self) -> None:
         _check_dir(self.dir)
@@ -57,14 +62,24 @@ class DaemonConfig:
         _check_device(self.device)
         _check_capacity(self.capacity)
         _check_page_size(self.page_size_bytes)
+        _check_host(self.metrics_host)
         _check_port(self.metrics_port)
         _check_idle_sleep(self.idle_sleep_s)
         _check_idle_mode(self.idle_mode)
         _check_log_level(self.log_level)
+        _check_log_file(self.log_file)
 
     @property
     def paths(self) -> DaemonPaths:
         return DaemonPaths(self.dir)
+
+    @property
+    def metrics_address(self) -> str | None:
+        """``HOST:PORT`` the metrics are served on (``[HOST]:PORT`` for IPv6), or ``None``."""
+        if self.metrics_port is None:
+            return None
+        host = f"[{self.metrics_host}]" if ":" in self.metrics_host else self.metrics_host
+        return f"{host}:{self.metrics_port}"
 
     def capacity_bytes(self, total_bytes: int) -> int:
         """Capacity against a device of ``total_bytes``, rounded down to whole pages.
@@ -95,12 +110,14 @@ class DaemonConfig:
             "--page-size", str(self.page_size_bytes),
             "--log-level", self.log_level,
         ]  # fmt: skip
-        if self.metrics_port is not None:
-            argv += ["--metrics-port", str(self.metrics_port)]
+        if self.metrics_address is not None:
+            argv += ["--metrics-address", self.metrics_address]
         if self.idle_sleep_s is not None:
             argv += ["--idle-sleep", repr(self.idle_sleep_s), "--idle-mode", self.idle_mode]
         if not self.reclaim_sleep:
             argv += ["--no-reclaim-sleep"]
+        if self.log_file is not None:
+            argv += ["--log-file", str(self.log_file)]
         return argv
 
 
@@ -109,29 +126,43 @@ def load_config(
 ) -> DaemonConfig:
     """Build the config: ``flags`` > ``KVDAEMON_*`` in ``env`` > TOML ``file`` > defaults.
 
-    ``flags`` and the file use the keys of ``KEYS``; a ``None`` flag is unset.
-    Raises ``ConfigError`` for an unknown file key, an unreadable file or any
-    invalid value, naming where the value came from. Reads ``file`` once.
+    ``flags`` and the file use the keys of ``KEYS`` (``-`` or ``_`` alike); a
+    ``None`` flag is unset. ``metrics-address`` and ``metrics-port`` (which
+    means ``127.0.0.1:PORT``) exclude each other. Raises ``ConfigError`` for an
+    unknown key, an unreadable file or any invalid value, naming where the
+    value came from. Reads ``file`` once.
     """
-    unknown = sorted(set(flags) - set(KEYS))
-    if unknown:
-        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known are {', '.join(KEYS)}")
+    flags = _normalised(flags, "setting(s)")
     file_values = _read_toml(file) if file is not None else {}
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for key, spec in KEYS.items():
         raw, source = _pick(key, flags, env, file_values, file)
         if source is not None:
             values[spec.attr] = _parse_from(source, spec.parse, raw)
+            sources[key] = source
+    if "metrics-address" in sources and "metrics-port" in sources:
+        raise ConfigError(
+            f"give the metrics address once: {sources['metrics-address']} and "
+            f"{sources['metrics-port']} are both set"
+        )
+    address = values.pop("metrics_address", None)
+    if address is not None:
+        values["metrics_host"], values["metrics_port"] = address
     return DaemonConfig(**values)
 
 
-def dir_from(flag: str | Path | None, env: Mapping[str, str]) -> Path:
-    """The daemon directory alone: ``flag`` > ``KVDAEMON_DIR`` in ``env`` > the default."""
+def dir_from(flag: str | Path | None, env: Mapping[str, str], file: Path | None = None) -> Path:
+    """The daemon directory alone: ``flag`` > ``KVDAEMON_DIR`` in ``env`` > ``dir`` in
+    the TOML ``file`` > the default. Other keys of the file are checked by name only."""
     if flag is not None:
         return _parse_from("--dir", _parse_dir, flag)
     if env.get("KVDAEMON_DIR"):
         return _parse_from("KVDAEMON_DIR", _parse_dir, env["KVDAEMON_DIR"])
-    return default_dir()
+    file_values = _read_toml(file) if file is not None else {}
+    if "dir" in file_values:
+        return _parse_from(f"{file}: dir", _parse_dir, file_values["dir"])
+    return _parse_dir(default_dir())
 
 
 @dataclass(frozen=True)
@@ -152,7 +183,7 @@ def _pick(
     spec = KEYS[key]
     if flags.get(key) is not None:
         return flags[key], spec.flag
-    if spec.env in env:
+    if env.get(spec.env, "") != "":
         return env[spec.env], spec.env
     if key in file_values:
         return file_values[key], f"{file}: {key}"
@@ -175,13 +206,23 @@ def _read_toml(file: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {file}: {err.strerror}") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {file} is not valid TOML: {err}") from err
-    unknown = sorted(set(values) - set(KEYS))
-    if unknown:
-        raise ConfigError(
-            f"config file {file}: unknown key(s) {', '.join(unknown)}; "
-            f"known keys are {', '.join(KEYS)}"
-        )
-    return values
+    return _normalised(values, f"key(s) in config file {file}:")
+
+
+def _normalised(values: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """``values`` keyed by the spelling of ``KEYS`` (``page_size`` -> ``page-size``).
+
+    Raises ``ConfigError`` for an unknown key or one given in both spellings.
+    """
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("_", "-")
+        if name not in KEYS:
+            raise ConfigError(f"unknown {what} {key!r}; known are {', '.join(KEYS)}")
+        if name in out:
+            raise ConfigError(f"{what} {name!r} is given twice (as {name} and {key})")
+        out[name] = value
+    return out
 
 
 # -- parsers: raw text (or an already typed value) -> checked value -------------------------
@@ -233,6 +274,28 @@ def _parse_port(raw: Any) -> int | None:
     return _check_port(_parse_int(raw, "metrics port"))
 
 
+def _parse_metrics_address(raw: Any) -> tuple[str, int]:
+    """``HOST:PORT``, ``[IPV6]:PORT`` or a bare ``PORT`` (on 127.0.0.1)."""
+    text = str(raw).strip() if isinstance(raw, (str, int)) and not isinstance(raw, bool) else ""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host = DEFAULT_METRICS_HOST
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not text or not host or not port.isdigit():
+        raise ConfigError(
+            f"metrics address must be HOST:PORT (127.0.0.1:9400, 0.0.0.0:9400, [::1]:9400) "
+            f"or a port, got {raw!r}"
+        )
+    return _check_host(host), _check_port(int(port))  # type: ignore[return-value]
+
+
+def _parse_log_file(raw: Any) -> Path:
+    if not isinstance(raw, (str, Path)) or not str(raw):
+        raise ConfigError(f"log file must be a non-empty path, got {raw!r}")
+    return _check_log_file(Path(raw).expanduser().absolute())  # type: ignore[return-value]
+
+
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -280,19 +343,27 @@ def _parse_log_level(raw: Any) -> str:
     return _check_log_level(raw.strip().upper())
 
 
+def _key(name: str, attr: str, parse: Callable[[Any], Any]) -> _Key:
+    """A setting spelled ``name`` in files and ``--name`` as a flag, read from ``KVDAEMON_NAME``."""
+    return _Key(attr, f"--{name}", "KVDAEMON_" + name.upper().replace("-", "_"), parse)
+
+
 KEYS: dict[str, _Key] = {
-    "dir": _Key("dir", "--dir", "KVDAEMON_DIR", _parse_dir),
-    "backend": _Key("backend", "--backend", "KVDAEMON_BACKEND", _parse_backend),
-    "device": _Key("device", "--device", "KVDAEMON_DEVICE", _parse_device),
-    "capacity": _Key("capacity", "--capacity", "KVDAEMON_CAPACITY", _parse_capacity),
-    "page_size": _Key("page_size_bytes", "--page-size", "KVDAEMON_PAGE_SIZE", _parse_page_size),
-    "metrics_port": _Key("metrics_port", "--metrics-port", "KVDAEMON_METRICS_PORT", _parse_port),
-    "idle_sleep": _Key("idle_sleep_s", "--idle-sleep", "KVDAEMON_IDLE_SLEEP", _parse_idle_sleep),
-    "idle_mode": _Key("idle_mode", "--idle-mode", "KVDAEMON_IDLE_MODE", _parse_idle_mode),
-    "reclaim_sleep": _Key(
-        "reclaim_sleep", "--reclaim-sleep", "KVDAEMON_RECLAIM_SLEEP", _parse_reclaim_sleep
-    ),
-    "log_level": _Key("log_level", "--log-level", "KVDAEMON_LOG_LEVEL", _parse_log_level),
+    key.flag[2:]: key
+    for key in (
+        _key("dir", "dir", _parse_dir),
+        _key("backend", "backend", _parse_backend),
+        _key("device", "device", _parse_device),
+        _key("capacity", "capacity", _parse_capacity),
+        _key("page-size", "page_size_bytes", _parse_page_size),
+        _key("metrics-address", "metrics_address", _parse_metrics_address),
+        _key("metrics-port", "metrics_port", _parse_port),
+        _key("idle-sleep", "idle_sleep_s", _parse_idle_sleep),
+        _key("idle-mode", "idle_mode", _parse_idle_mode),
+        _key("reclaim-sleep", "reclaim_sleep", _parse_reclaim_sleep),
+        _key("log-level", "log_level", _parse_log_level),
+        _key("log-file", "log_file", _parse_log_file),
+    )
 }
 
 
@@ -343,6 +414,18 @@ def _check_page_size(page_size_bytes: int) -> int:
             f"got {page_size_bytes!r}"
         )
     return page_size_bytes
+
+
+def _check_host(host: str) -> str:
+    if not isinstance(host, str) or not host or any(c.isspace() or c in "[]/" for c in host):
+        raise ConfigError(f"metrics host must be an address or host name, got {host!r}")
+    return host
+
+
+def _check_log_file(path: Path | None) -> Path | None:
+    if path is not None and not isinstance(path, Path):
+        raise ConfigError(f"log file must be a Path, got {path!r}")
+    return path
 
 
 def _check_port(port: int | None) -> int | None:

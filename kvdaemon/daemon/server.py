@@ -18,6 +18,7 @@ import logging
 import os
 import resource
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -52,6 +53,7 @@ class Daemon:
         self._stopping = False
         self.attach_timeout_s = ATTACH_TIMEOUT_S
         self._next_expiry_check = 0.0
+        self.on_stopping: Callable[[], None] = lambda: None  # first thing the teardown calls
 
     # -- setup -----------------------------------------------------------------
 
@@ -81,7 +83,7 @@ class Daemon:
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         if cfg.metrics_port:
-            self.metrics = Metrics(cfg.metrics_port, self._snapshot)
+            self.metrics = Metrics(cfg.metrics_port, self._snapshot, host=cfg.metrics_host)
             self.metrics.start()
         log.info(
             "kvdaemon serving at %s: backend %s, %d pages of %d bytes",
@@ -216,6 +218,7 @@ class Daemon:
 
     def _shutdown(self) -> None:
         assert self.service is not None
+        self.on_stopping()
         log.info("kvdaemon shutting down")
         for tenant in list(self.service.tenants.values()):
             self._send_control(tenant.routing_id, notice("shutdown", {"tenant": tenant.name}))
