@@ -132,7 +132,7 @@ def load_config(
     unknown key, an unreadable file or any invalid value, naming where the
     value came from. Reads ``file`` once.
     """
-    flags = _normalised(flags, "setting(s)")
+    flags = {key: value for key, (_, value) in _normalised(flags, "setting").items()}
     file_values = _read_toml(file) if file is not None else {}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -161,7 +161,7 @@ def dir_from(flag: str | Path | None, env: Mapping[str, str], file: Path | None 
         return _parse_from("KVDAEMON_DIR", _parse_dir, env["KVDAEMON_DIR"])
     file_values = _read_toml(file) if file is not None else {}
     if "dir" in file_values:
-        return _parse_from(f"{file}: dir", _parse_dir, file_values["dir"])
+        return _parse_from(f"{file}: dir", _parse_dir, file_values["dir"][1])
     return _parse_dir(default_dir())
 
 
@@ -177,16 +177,19 @@ def _pick(
     key: str,
     flags: Mapping[str, Any],
     env: Mapping[str, str],
-    file_values: Mapping[str, Any],
+    file_values: Mapping[str, tuple[str, Any]],
     file: Path | None,
 ) -> tuple[Any, str | None]:
+    """The raw value of ``key`` and where it came from (flag, variable, ``FILE: key``
+    as spelled there), or ``(None, None)``. An empty variable counts as unset."""
     spec = KEYS[key]
     if flags.get(key) is not None:
         return flags[key], spec.flag
     if env.get(spec.env, "") != "":
         return env[spec.env], spec.env
     if key in file_values:
-        return file_values[key], f"{file}: {key}"
+        spelled, value = file_values[key]
+        return value, f"{file}: {spelled}"
     return None, None
 
 
@@ -198,7 +201,8 @@ def _parse_from(source: str, parse: Callable[[Any], Any], raw: Any) -> Any:
         raise ConfigError(f"{source}: {err.message}{given}") from err
 
 
-def _read_toml(file: Path) -> dict[str, Any]:
+def _read_toml(file: Path) -> dict[str, tuple[str, Any]]:
+    """The file's keys (as ``KEYS`` spells them) -> (spelling in the file, value)."""
     try:
         with open(file, "rb") as stream:
             values = tomllib.load(stream)
@@ -206,22 +210,21 @@ def _read_toml(file: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {file}: {err.strerror}") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {file} is not valid TOML: {err}") from err
-    return _normalised(values, f"key(s) in config file {file}:")
+    return _normalised(values, f"config file {file}: key")
 
 
-def _normalised(values: Mapping[str, Any], what: str) -> dict[str, Any]:
-    """``values`` keyed by the spelling of ``KEYS`` (``page_size`` -> ``page-size``).
-
-    Raises ``ConfigError`` for an unknown key or one given in both spellings.
-    """
-    out: dict[str, Any] = {}
+def _normalised(values: Mapping[str, Any], what: str) -> dict[str, tuple[str, Any]]:
+    """``values`` keyed by the spelling of ``KEYS`` (``page_size`` -> ``page-size``),
+    each with its own spelling. Raises ``ConfigError`` for an unknown key or one
+    given in both spellings."""
+    out: dict[str, tuple[str, Any]] = {}
     for key, value in values.items():
         name = key.replace("_", "-")
         if name not in KEYS:
-            raise ConfigError(f"unknown {what} {key!r}; known are {', '.join(KEYS)}")
+            raise ConfigError(f"{what} {key!r} is unknown; known are {', '.join(KEYS)}")
         if name in out:
-            raise ConfigError(f"{what} {name!r} is given twice (as {name} and {key})")
-        out[name] = value
+            raise ConfigError(f"{what} {name!r} is given twice, as {out[name][0]} and {key}")
+        out[name] = (key, value)
     return out
 
 

@@ -66,6 +66,8 @@ class _BoundedHandler(WSGIRequestHandler):
 class BoundedServer(WSGIServer):
     """See the module docstring. Build it with :func:`bounded_server`."""
 
+    request_queue_size = 64  # listen backlog: a burst of connections waits, is not dropped
+
     def __init__(
         self, host: str, port: int, request_timeout_s: float, max_handlers: int
     ) -> None:

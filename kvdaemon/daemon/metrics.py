@@ -156,15 +156,17 @@ class Metrics:
         self._collector = _StatusCollector(snapshot)
         self._grant_latency = Histogram(
             "kvdaemon_grant_latency_seconds",
-            "Time from a grow request to its reply, in seconds.",
+            "Time the daemon took to serve one grow (checks, page grants), in seconds.",
             buckets=GRANT_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
         self._granted_pages = Counter(
-            "kvdaemon_granted_pages", "Logical pages granted to tenants.", registry=self.registry
+            "kvdaemon_granted_pages", "Physical pages granted to tenants by grows.",
+            registry=self.registry,
         )
         self._shrunk_pages = Counter(
-            "kvdaemon_shrunk_pages", "Logical pages returned by tenants.", registry=self.registry
+            "kvdaemon_shrunk_pages", "Physical pages tenants gave back by shrinks.",
+            registry=self.registry,
         )
         self._lease_expiries = Counter(
             "kvdaemon_lease_expiries",
