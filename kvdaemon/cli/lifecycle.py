@@ -155,7 +155,11 @@ def _exclusive_lock(paths: DaemonPaths) -> Iterator[None]:
     ``running_pid`` probes with a brief shared lock, so a refusal is retried
     for ``LOCK_RETRY_S`` before it counts: a daemon holds the lock for good.
     """
-    fd = os.open(paths.lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(paths.lock_file, flags, FILE_MODE)
+    except OSError as err:
+        raise ConfigError(f"cannot open {paths.lock_file}: {err.strerror}") from err
     try:
         deadline = time.monotonic() + LOCK_RETRY_S
         while True:
@@ -193,11 +197,14 @@ def _read_pid(paths: DaemonPaths) -> int | None:
 def _pid_file(paths: DaemonPaths) -> Iterator[None]:
     """Write our pid to the pid file (atomically, through a fresh private temporary file)."""
     partial = paths.pid_file.with_suffix(".pid.tmp")
-    partial.unlink(missing_ok=True)  # a leftover of a killed start; we hold the lock
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    with os.fdopen(os.open(partial, flags, FILE_MODE), "w") as stream:
-        stream.write(f"{os.getpid()}\n")
-    os.replace(partial, paths.pid_file)
+    try:
+        partial.unlink(missing_ok=True)  # a leftover of a killed start; we hold the lock
+        with os.fdopen(os.open(partial, flags, FILE_MODE), "w") as stream:
+            stream.write(f"{os.getpid()}\n")
+        os.replace(partial, paths.pid_file)
+    except OSError as err:
+        raise ConfigError(f"cannot write {paths.pid_file}: {err.strerror}") from err
     try:
         yield
     finally:
