@@ -150,3 +150,22 @@ def test_unsafe_directories_are_refused_by_every_command(cli: Cli, tmp_path: Pat
         done = cli.run(*args)
         assert done.returncode == 2, args
         assert done.stderr.startswith(f"error UNSAFE_DIR: daemon directory {cli.dir} has mode 0755")
+
+
+def test_wait_state_returns_once_the_tenant_is_in_it(cli: Cli) -> None:
+    cli.started_pid()
+    with cli.client() as client:
+        pool = client.register("sleepy", small_spec(), num_prefetch_pages=0)
+        try:
+            assert cli.run("wait", "sleepy", "--state", "active").returncode == 0
+            late = cli.run("wait", "sleepy", "--state", "sleeping-warm", "--timeout", "0.2")
+            assert late.returncode == 5
+            assert late.stderr.strip() == (
+                "error TIMEOUT: after 0.2 s: sleepy is active, not sleeping-warm"
+            )
+            assert cli.run("sleep", "sleepy").returncode == 0
+            done = cli.run("wait", "sleepy", "--state", "sleeping-warm", "--json")
+            assert done.returncode == 0, done.stderr
+            assert json.loads(done.stdout)["tenants"][0]["state"] == "sleeping-warm"
+        finally:
+            pool.close()

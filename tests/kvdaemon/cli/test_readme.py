@@ -83,10 +83,10 @@ def test_two_models_on_one_device_runs_as_written(cli: Cli, env: dict[str, str])
     out = done.stdout
     assert "llama-a, qwen-b: registered" in out
     assert "llama-a: sleeping-warm, " in out
-    (row,) = [line for line in out.splitlines() if line.startswith("llama-a ") and "sleeping-warm" in line]
-    assert row.split()[3:5] == ["0", "B"]  # nothing mapped while asleep
-    assert "[llama-a] round 2: 4 requests" in out and "(woke from warm sleep)" in out
-    assert "[qwen-b] round 2: 4 requests" in out
+    assert "llama-a: active (waited " in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("llama-a ")]
+    assert rows[-1][2] == "active"  # the last status: woken by its engine
+    assert "[llama-a] round 2: 4 requests" in out and "[qwen-b] round 2: 4 requests" in out
 
 
 @pytest.mark.parametrize("heading", ["## Using it", "## Serving a transformers model"])
