@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import small_spec
 from tests.kvdaemon.cli import test_cli_lifecycle as lifecycle_tests
-from tests.kvdaemon.cli.test_cli_lifecycle import Cli, alive, wait_until
+from tests.kvdaemon.cli.test_cli_lifecycle import Cli, alive
 
 cli = lifecycle_tests.cli
 
