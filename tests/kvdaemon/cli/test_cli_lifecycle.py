@@ -385,3 +385,20 @@ def test_sleep_and_wake_from_the_cli(cli: Cli) -> None:
     finally:
         pool.close()
         client.close()
+
+
+def test_bad_paths_are_one_line_usage_errors(cli: Cli) -> None:
+    a_file = cli.dir / "file"
+    a_file.write_text("")
+    for target, reason in ((Path("/proc/kvd-test/x"), "No such file or directory"),
+                           (a_file / "kvd", "Not a directory"),
+                           (a_file / "deeper" / "kvd", "Not a directory")):  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "kvdaemon", "start", "--dir", str(target), *HOST_FLAGS],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.splitlines() == [
+            f"error CONFIG: cannot create daemon directory {target}: {reason}; "
+            "choose another directory with --dir"
+        ]
