@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from daemon_proc import daemon_process  # noqa: E402
 from engine import build_model  # noqa: E402
-from plots import memory_plot, ttft_plot  # noqa: E402
+from plots import machine_caption, memory_plot, model_caption, ttft_plot  # noqa: E402
 from report import RESULTS_DIR, percentile_us, save, verdict  # noqa: E402
 from traces import Arrival, TraceShape, bursty_trace  # noqa: E402
 
@@ -202,9 +202,12 @@ def main() -> None:
     peak_over = max(t["peak_used_bytes"] for t in results["elastic"]["tenants"]) / third
     print(f"largest elastic tenant peak of live KV: {peak_over:.2f}x a static third")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    memory_plot(RESULTS_DIR / "multitenant_memory.png", {m: r.timeline for m, r in runs.items()}, capacity)
+    caption = f"{machine_caption()} · {model_caption(models[0].config, len(models))} · seed {opts.seed}"
+    memory_plot(RESULTS_DIR / "multitenant_memory.png", {m: r.timeline for m, r in runs.items()}, capacity,
+                caption)
     ttft_plot(RESULTS_DIR / "multitenant_ttft.png",
-              {m: [r.ttft_s for _, r in run.requests if r.ttft_s is not None] for m, run in runs.items()})
+              {m: [r.ttft_s for _, r in run.requests if r.ttft_s is not None] for m, run in runs.items()},
+              caption)
     print(f"plots: {RESULTS_DIR / 'multitenant_memory.png'}, {RESULTS_DIR / 'multitenant_ttft.png'}")
     save("multitenant", {"seed": opts.seed, "capacity_bytes": capacity, "third_bytes": third,
                          "num_requests": len(trace), "results": results, "ttft_p99_ratio": ttft_ratio,

@@ -72,7 +72,7 @@ def sleep_wake_seconds(client: KVClient, pool: KVPool) -> tuple[float, float]:
     client.sleep("swap", "warm")
     t1 = time.perf_counter()
     client.wake("swap")
-    if not pool.awake.wait(60):
+    if not pool.wait_state(lambda state: state.value == "active", 60):
         raise SystemExit("the pool did not wake")
     return t1 - t0, time.perf_counter() - t1
 

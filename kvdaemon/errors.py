@@ -86,13 +86,19 @@ class DaemonUnreachable(KVDaemonError):
 
 
 class NoReply(DaemonUnreachable):
-    """A daemon holds its directory but did not answer this request in time.
+    """A daemon did not answer this request in time.
 
     Not a decision: the request may still be carried out (a sleep still
     completes, a late grant is adopted or given back by the client).
     """
 
     code = "NO_REPLY"
+
+
+class NotAnswering(NoReply):
+    """A daemon holds the directory's lock (it runs) but did not answer in time (CLI exit 4)."""
+
+    code = "NOT_ANSWERING"
 
 
 class PoolExhausted(KVDaemonError):
@@ -111,6 +117,19 @@ class ConfigError(KVDaemonError):
     """A configuration value (flag, env variable, file) is invalid."""
 
     code = "CONFIG"
+
+
+class UnsafeDirectory(ConfigError):
+    """A daemon directory is not private: not ours, not mode 0700, a symlink, or not a
+    directory at all. Nothing is created in it, and its mode is left alone."""
+
+    code = "UNSAFE_DIR"
+
+
+class WaitTimeout(KVDaemonError):
+    """What was waited for (a tenant to register, to go idle) did not happen in time."""
+
+    code = "TIMEOUT"
 
 
 class LifecycleError(KVDaemonError):
@@ -158,9 +177,12 @@ _BY_CODE: dict[str, type[KVDaemonError]] = {
         VersionMismatch,
         DaemonUnreachable,
         NoReply,
+        NotAnswering,
         PoolExhausted,
         PoolClosed,
         ConfigError,
+        UnsafeDirectory,
+        WaitTimeout,
         LifecycleError,
         Unsupported,
         BackendError,

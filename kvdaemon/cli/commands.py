@@ -1,118 +1,80 @@
-"""The ``kvdaemon`` command line (DESIGN.md §13).
+"""The ``kvdaemon`` command line (DESIGN.md §13): the group, and the commands about the
+daemon itself (``start``, ``stop``, ``version``, ``top``); the tenant commands are
+``kvdaemon.cli.tenant_commands``.
 
-Exit codes: 0 ok, 1 no daemon answers at the directory, 2 usage or
-configuration error, 3 the daemon (or starting it) failed with an error,
-printed as ``error CODE: message``.
+Every command takes ``--dir`` and ``--config``; every command that prints
+takes ``--json`` (one JSON object on stdout, errors too: ``kvdaemon.cli.output``).
+Exit statuses are those of ``kvdaemon.cli.exit_codes``.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-import select
 import sys
-import termios
-import time
-import tty
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any
 
 import click
-from rich.console import Console
-from rich.live import Live
 
-from kvdaemon import __version__
-from kvdaemon.cli import lifecycle, status_view, top_view
-from kvdaemon.client import KVClient
-from kvdaemon.daemon.config import BACKENDS, LOG_LEVELS, dir_from, load_config
-from kvdaemon.errors import ConfigError, DaemonUnreachable, KVDaemonError
-from kvdaemon.wire.paths import DaemonPaths
-from kvdaemon.wire.sizes import SizeSpec, format_bytes, parse_size
+from kvdaemon.cli import detach, lifecycle, reach, tenant_commands, top_live, top_view
+from kvdaemon.cli.options import (
+    JsonAwareCommand, command_help, config_option, daemon_dir, daemon_options, dir_option,
+)  # fmt: skip
+from kvdaemon.cli.output import emit, reporting
+from kvdaemon.cli.tenant_commands import stdout_console
+from kvdaemon.cli.versions import version_text, versions
+from kvdaemon.daemon.config import load_config
+from kvdaemon.daemon.config_values import BACKENDS, LOG_LEVELS
+from kvdaemon.errors import ConfigError, DaemonUnreachable
+from kvdaemon.wire.sizes import format_bytes
 
-EXIT_UNREACHABLE = 1
-EXIT_USAGE = 2
-EXIT_DAEMON_ERROR = 3
-PIPE_WIDTH = 200
 TOP_STATUS_TIMEOUT_S = 2.0  # a hung daemon freezes `top` at most this long per refresh
-QUIT_KEYS = b"qQ"
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
-class SizeParam(click.ParamType):
-    """A size option: bytes, ``512MiB``, ``2GiB``, ``40%`` (see ``kvdaemon.wire.sizes``)."""
-
-    name = "size"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        if isinstance(value, SizeSpec):
-            return value
-        try:
-            return parse_size(value)
-        except ConfigError as err:
-            self.fail(err.message, param, ctx)
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(version_text(versions(None), with_daemon=False))
+        ctx.exit()
 
 
-def _reporting_errors(command: F) -> F:
-    """Turn kvdaemon errors into a one-line message on stderr and the exit codes above."""
-
-    @functools.wraps(command)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except DaemonUnreachable as err:
-            click.echo(err.message, err=True)
-            raise click.exceptions.Exit(EXIT_UNREACHABLE) from err
-        except ConfigError as err:
-            click.echo(f"error {err.code}: {err.message}", err=True)
-            raise click.exceptions.Exit(EXIT_USAGE) from err
-        except KVDaemonError as err:
-            click.echo(f"error {err.code}: {err.message}", err=True)
-            raise click.exceptions.Exit(EXIT_DAEMON_ERROR) from err
-
-    return run  # type: ignore[return-value]
+class _Group(click.Group):
+    command_class = JsonAwareCommand
 
 
-def _dir_option(command: F) -> F:
-    return click.option(
-        "--dir",
-        "dir_flag",
-        type=click.Path(file_okay=False, path_type=Path),
-        help="Daemon directory [default: $KVDAEMON_DIR, else /tmp/kvdaemon-$UID].",
-    )(command)
-
-
-def _daemon_dir(dir_flag: Path | None) -> Path:
-    return dir_from(dir_flag, os.environ)
-
-
-def _stdout_console() -> Console:
-    """A console on stdout; piped output is not cut to 80 columns, so long
-    tenant names stay greppable."""
-    return Console(highlight=False, width=None if sys.stdout.isatty() else PIPE_WIDTH)
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="kvdaemon")
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"],
+                                           "max_content_width": 100})  # fmt: skip
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=_show_version, help="Show the versions (as `kvdaemon version`) and exit.")
 def main() -> None:
-    """kvdaemon: elastic, multi-tenant KV-cache memory for LLM serving."""
+    """kvdaemon: elastic, multi-tenant KV-cache memory for LLM serving.
+
+    One daemon per device owns the memory for KV caches; engines (tenants)
+    register with it and map pages only while they need them. Shell
+    completion: eval "$(_KVDAEMON_COMPLETE=bash_source kvdaemon)" (zsh_source,
+    fish_source for other shells).
+    """
 
 
-@main.command()
-@_dir_option
+@main.command(
+    short_help="Start the daemon (detached, or --foreground).",
+    epilog=command_help("""
+kvdaemon start --capacity 40GiB --metrics-address 127.0.0.1:9400
+kvdaemon start --foreground --config /etc/kvdaemon/kvdaemon.toml   # under systemd
+"""),
+)
+@daemon_options
 @click.option("--backend", type=click.Choice(BACKENDS, case_sensitive=False),
               help="Memory backend [default: auto: cuda where a GPU is usable, else host].")
 @click.option("--device", type=int, metavar="N", help="CUDA device index [default: 0].")
 @click.option("--capacity", metavar="SIZE",
               help="Pool size: bytes, 40GiB, or 90% of the device (host: of RAM) [default: 50%].")
 @click.option("--page-size", metavar="SIZE", help="Physical page size [default: 2MiB].")
-@click.option("--metrics-port", type=int, metavar="PORT",
-              help="Serve Prometheus metrics on 127.0.0.1:PORT.")
+@click.option("--metrics-address", metavar="HOST:PORT",
+              help="Serve Prometheus metrics and /healthz there (0.0.0.0:9400 for all "
+                   "interfaces) [default: off].")
+@click.option("--metrics-port", metavar="PORT", help="Short for --metrics-address 127.0.0.1:PORT.")
 @click.option("--idle-sleep", metavar="SECONDS",
-              help="Sleep tenants idle this long (300, 300s, 5m, off).")
+              help="Sleep tenants idle this long (300, 300s, 5m, off) [default: off].")
 @click.option("--idle-mode", type=click.Choice(("warm", "cold"), case_sensitive=False),
               help="How idle tenants sleep [default: warm].")
 @click.option("--reclaim-sleep/--no-reclaim-sleep", default=None,
@@ -120,210 +82,123 @@ def main() -> None:
                    "[default: on].")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               help="Logging level [default: INFO].")
-@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="TOML file of settings (flags and KVDAEMON_* variables override it).")
-@click.option("--foreground", is_flag=True, help="Run in this process until stopped.")
-@_reporting_errors
-def start(dir_flag: Path | None, config_file: Path | None, foreground: bool,
+@click.option("--log-file", metavar="PATH",
+              help="Append the log there; logrotate may rename it (reopened by itself or on "
+                   "SIGHUP) [default: DIR/kvdaemon.log when detached, none with --foreground].")
+@click.option("--foreground", is_flag=True,
+              help="Run in this process until stopped, logging to stderr (and --log-file).")
+@reporting
+def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foreground: bool,
           **settings: Any) -> None:  # fmt: skip
-    """Start the daemon (returns once it accepts clients).
+    """Start the daemon: detached by default, returning once it accepts clients.
 
-    Detached by default; --foreground runs it in this process until stopped.
+    --foreground runs it in this process until SIGTERM, SIGINT or `kvdaemon
+    stop`, and tells systemd READY=1 / STOPPING=1 when $NOTIFY_SOCKET is set.
+    Settings: flags, then KVDAEMON_* variables (KVDAEMON_PAGE_SIZE for
+    --page-size), then the --config file (page-size = "64KiB").
     """
-    flags = {"dir": dir_flag, **settings}
+    flags = {"dir": dir_flag, **{key.replace("_", "-"): value for key, value in settings.items()}}
     config = load_config(flags, os.environ, config_file)
     if foreground:
         raise click.exceptions.Exit(lifecycle.run_foreground(config))
-    pid = lifecycle.start_detached(config)
-    with lifecycle.connect(config.dir) as client:
+    pid = detach.start_detached(config)
+    with reach.talking(config.dir) as client:
         info = client.hello()
-    click.echo(
+    result = {
+        "dir": str(config.dir), "pid": pid, "version": info.get("daemon_version"),
+        "backend": info["backend"], "device": info.get("device"),
+        "capacity_bytes": info["capacity_bytes"], "page_size": info["page_size"],
+        "log_file": str(config.log_file or config.paths.log_file),
+        "metrics_address": config.metrics_address,
+    }  # fmt: skip
+    emit(as_json, result, (
         f"kvdaemon running at {config.dir} (pid {pid}, backend {info['backend']}, "
         f"capacity {format_bytes(info['capacity_bytes'])})"
-    )
+    ))  # fmt: skip
 
 
-@main.command()
-@_dir_option
-@_reporting_errors
-def stop(dir_flag: Path | None) -> None:
-    """Stop the daemon gracefully; returns once it has exited."""
-    root = _daemon_dir(dir_flag)
-    pid = lifecycle.stop(root)
-    click.echo(f"kvdaemon at {root} stopped (pid {pid})")
+@main.command(
+    short_help="Stop the daemon gracefully; a no-op when none runs.",
+    epilog=command_help("kvdaemon stop && echo stopped"),
+)
+@daemon_options
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=30.0,
+              show_default=True, metavar="SECONDS", help="How long to wait for it to exit.")
+@reporting
+def stop(dir_flag: Path | None, config_file: Path | None, as_json: bool, timeout_s: float) -> None:
+    """Stop the daemon gracefully and return once it has exited.
 
-
-@main.command()
-@_dir_option
-@click.option("--json", "as_json", is_flag=True, help="Print the status object as JSON.")
-@_reporting_errors
-def status(dir_flag: Path | None, as_json: bool) -> None:
-    """Show capacity, free memory and every tenant."""
-    root = _daemon_dir(dir_flag)
-    with lifecycle.connect(root) as client:
-        snapshot = client.status()
-    if as_json:
-        click.echo(json.dumps(snapshot, indent=2))
-        return
-    status_view.render(_stdout_console(), root, snapshot)
-
-
-@main.command()
-@click.argument("name")
-@click.option("--max", "max_size", type=SizeParam(),
-              help="Limit: bytes, 8GiB, or a percentage of the daemon's capacity.")
-@click.option("--min", "min_size", type=SizeParam(),
-              help="Guarantee: bytes, 1GiB, or a percentage of the daemon's capacity.")
-@click.option("--weight", type=click.FloatRange(min=0, min_open=True),
-              help="Share of contended memory, relative to other tenants.")
-@_dir_option
-@_reporting_errors
-def limit(name: str, max_size: SizeSpec | None, min_size: SizeSpec | None,
-          weight: float | None, dir_flag: Path | None) -> None:  # fmt: skip
-    """Change a tenant's limit, guarantee or weight.
-
-    Takes effect at once. A percentage is of the daemon's capacity.
+    Tenants are told and keep what they have mapped. With no daemon running it
+    says so and exits 0. A daemon that runs but does not answer is sent
+    SIGTERM.
     """
-    if max_size is None and min_size is None and weight is None:
-        raise click.UsageError("give at least one of --max, --min, --weight")
-    root = _daemon_dir(dir_flag)
-    with lifecycle.connect(root) as client:
-        capacity_bytes = int(client.hello()["capacity_bytes"])
-        result = client.set_limit(
-            name,
-            max_bytes=None if max_size is None else max_size.resolve(capacity_bytes),
-            min_bytes=None if min_size is None else min_size.resolve(capacity_bytes),
-            weight=weight,
-        )
-        tenants = client.status()["tenants"]
-    click.echo(_limit_summary(name, result, tenants))
+    root = daemon_dir(dir_flag, config_file)
+    stopped = reach.stop(root, timeout_s)
+    if stopped.pid is None:
+        text = f"no kvdaemon running at {root}; nothing to stop"
+    elif stopped.signalled:
+        text = f"kvdaemon at {root} did not answer; stopped it with SIGTERM (pid {stopped.pid})"
+    else:
+        text = f"kvdaemon at {root} stopped (pid {stopped.pid})"
+    result = {"dir": str(root), "pid": stopped.pid, "stopped": stopped.pid is not None,
+              "signalled": stopped.signalled}  # fmt: skip
+    emit(as_json, result, text)
 
 
-def _limit_summary(name: str, result: dict[str, Any], tenants: list[dict[str, Any]]) -> str:
-    revision = result.get("revision")
-    for tenant in tenants:
-        if tenant["name"] == name:
-            cells = dict(zip(status_view.COLUMNS, status_view.tenant_row(tenant)))
-            return (
-                f"{name}: limit {cells['limit']}, min {cells['min']}, weight {cells['weight']} "
-                f"(revision {revision})"
-            )
-    return f"{name}: limits applied (revision {revision})"
+@main.command(
+    short_help="Show versions: kvdaemon, Python, torch, CUDA, driver, backend.",
+    epilog=command_help("kvdaemon version --json"),
+)
+@daemon_options
+@reporting
+def version(dir_flag: Path | None, config_file: Path | None, as_json: bool) -> None:
+    """Show the versions of kvdaemon, Python, torch, cuda-bindings and the NVIDIA
+    driver, the backend, and the daemon running at the directory (if one answers).
 
-
-@main.command()
-@click.argument("name")
-@click.option("--cold", is_flag=True, help="Drop the KV instead of keeping it in host memory.")
-@_dir_option
-@_reporting_errors
-def sleep(name: str, cold: bool, dir_flag: Path | None) -> None:
-    """Put a tenant to sleep: its pages go back to the pool.
-
-    Warm (the default) keeps its KV in host memory and restores it on wake at
-    the same addresses; --cold drops it. Returns once the tenant sleeps.
+    torch is not imported: its installed version is read.
     """
-    with lifecycle.connect(_daemon_dir(dir_flag)) as client:
-        result = client.sleep(name, "cold" if cold else "warm")
-    kept = f", {format_bytes(int(result['host_bytes']))} kept in host memory" if not cold else ""
-    click.echo(f"{name}: {result['state']}{kept}")
+    root = daemon_dir(dir_flag, config_file)
+    try:
+        with reach.talking(root, timeout_s=1.0) as client:
+            daemon: dict[str, Any] | None = client.hello()
+    except (DaemonUnreachable, ConfigError):  # none running or answering, or no usable dir
+        daemon = None
+    info = versions(daemon)
+    emit(as_json, info, version_text(info))
 
 
-@main.command()
-@click.argument("name")
-@_dir_option
-@_reporting_errors
-def wake(name: str, dir_flag: Path | None) -> None:
-    """Wake a sleeping tenant: fresh pages at the same addresses, KV restored if warm."""
-    with lifecycle.connect(_daemon_dir(dir_flag)) as client:
-        result = client.wake(name)
-    click.echo(f"{name}: {result['state']}, {format_bytes(int(result['mapped_bytes']))} mapped")
-
-
-@main.command()
-@_dir_option
-@click.option("--once", is_flag=True, help="Print one frame and exit.")
+@main.command(
+    short_help="Live view of every tenant; q quits.",
+    epilog=command_help("kvdaemon top --sort idle\nkvdaemon top --once | grep llama"),
+)
+@dir_option
+@config_option
+@click.option("--once", is_flag=True, help="Print one frame and exit (also when stdout is no TTY).")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
               metavar="SECONDS", help="Seconds between refreshes.")
-@_reporting_errors
-def top(dir_flag: Path | None, once: bool, interval: float) -> None:
-    """Live view of capacity, free memory and every tenant; q or Ctrl-C quits.
+@click.option("--sort", type=click.Choice(tuple(top_view.SORTS)), default="mapped",
+              show_default=True, help="Order of the tenants (keys m, u, n, i, s change it live).")
+@reporting
+def top(dir_flag: Path | None, config_file: Path | None, once: bool, interval: float,
+        sort: str) -> None:  # fmt: skip
+    """Live view of capacity, free memory and every tenant: state in words, sizes,
+    a bar of mapped against the limit, idle time, and what a tenant over a lowered
+    limit still owes. q or Ctrl-C quits; m, u, n, i, s sort.
 
     Exits 1 when no daemon answers at the start; a daemon that goes away
     later is shown as unreachable and polled until it is back.
     """
-    root = _daemon_dir(dir_flag)
-    with lifecycle.connect(root, timeout_s=TOP_STATUS_TIMEOUT_S) as client:
+    root = daemon_dir(dir_flag, config_file)
+    with reach.talking(root, timeout_s=TOP_STATUS_TIMEOUT_S) as client:
         snapshot = client.status()
-        if once:
-            _stdout_console().print(top_view.frame(root, snapshot))
+        if once or not sys.stdout.isatty():
+            stdout_console().print(top_view.frame(root, snapshot, sort=sort))
             return
         try:
-            _live_top(client, root, snapshot, interval)
+            top_live.run_live(client, root, snapshot, interval, sort)
         except KeyboardInterrupt:
             pass  # Ctrl-C is the other way to quit; the terminal is restored by then
 
 
-def _live_top(client: KVClient, root: Path, first: dict[str, Any], interval: float) -> None:
-    """Redraw a frame every ``interval`` seconds until ``q`` is read from a TTY stdin.
-
-    The terminal's settings are restored on every way out, Ctrl-C included.
-    """
-    footer = f"every {interval:g}s · q or Ctrl-C quits"
-    with _keys(sys.stdin) as keys_fd, Live(
-        top_view.frame(root, first, footer), console=Console(highlight=False),
-        auto_refresh=False,
-    ) as live:  # fmt: skip
-        while not _quit_pressed(keys_fd, interval):
-            live.update(top_view.frame(root, _poll_status(client, root), footer), refresh=True)
-
-
-@contextmanager
-def _keys(stream: IO[str] | None) -> Iterator[int | None]:
-    """Yield the fd to read keys from, in cbreak mode, when ``stream`` is a TTY (else None).
-
-    The TTY's settings are restored on exit, however the block ends.
-    """
-    if stream is None or not stream.isatty():
-        yield None
-        return
-    fd = stream.fileno()
-    saved = termios.tcgetattr(fd)
-    try:
-        tty.setcbreak(fd, termios.TCSANOW)  # TCSANOW keeps a key typed early
-        yield fd
-    finally:
-        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
-
-
-def _quit_pressed(keys_fd: int | None, timeout_s: float) -> bool:
-    """Wait ``timeout_s`` for a quit key; True as soon as one (or the TTY's end) is read.
-
-    Other keys are ignored without ending the wait early. Without a keys fd,
-    just sleeps and returns False.
-    """
-    if keys_fd is None:
-        time.sleep(timeout_s)
-        return False
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        ready, _, _ = select.select([keys_fd], [], [], left)
-        if not ready:
-            return False
-        data = os.read(keys_fd, 64)
-        if not data or any(key in QUIT_KEYS for key in data):
-            return True
-    return False
-
-
-def _poll_status(client: KVClient, root: Path) -> dict[str, Any] | None:
-    """The daemon's status object, or None when no daemon runs or answers at ``root``.
-
-    A daemon found dead by its lock costs no timeout; a hung one costs at most
-    the client's timeout. The client reconnects by itself to a new daemon.
-    """
-    if lifecycle.running_pid(DaemonPaths(root)) is None:
-        return None
-    try:
-        return client.status()
-    except DaemonUnreachable:
-        return None
+for _command in tenant_commands.COMMANDS:
+    main.add_command(_command)

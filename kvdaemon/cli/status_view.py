@@ -32,13 +32,28 @@ def summary_line(dir: Path, status: dict[str, Any]) -> str:
 
 
 def tenant_table(tenants: list[dict[str, Any]]) -> Table:
-    """One row per tenant, in the order given, with the columns of ``COLUMNS``."""
+    """One row per tenant, in the order given, with the columns of ``COLUMNS``; plus an
+    ``owes`` column (bytes mapped above the limit) when some tenant is over its limit."""
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in COLUMNS:
         table.add_column(column, justify="right" if column in NUMERIC else "left", no_wrap=True)
+    any_over = any(owed_bytes(tenant) for tenant in tenants)
+    if any_over:
+        table.add_column("owes", justify="right", no_wrap=True)
     for tenant in tenants:
-        table.add_row(*(Text(cell) for cell in tenant_row(tenant)))  # names are not markup
+        cells = [Text(cell) for cell in tenant_row(tenant)]  # names are not markup
+        if any_over:
+            owed = owed_bytes(tenant)
+            cells.append(Text(format_bytes(owed), style="bold red") if owed else Text("-"))
+        table.add_row(*cells)
     return table
+
+
+def owed_bytes(tenant: dict[str, Any]) -> int:
+    """Bytes mapped above the tenant's limit (0 without a limit or under it): what a
+    limit lowered under its mapping still has to take back."""
+    limit = tenant.get("max_bytes")
+    return 0 if limit is None else max(0, int(tenant["mapped_bytes"]) - int(limit))
 
 
 def tenant_row(tenant: dict[str, Any]) -> list[str]:

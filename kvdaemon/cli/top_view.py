@@ -1,15 +1,19 @@
-"""The frame of ``kvdaemon top``: the status object as one rich renderable.
+"""The frame of ``kvdaemon top``: the status object as one rich renderable, fit for 80 columns.
 
 Takes the status object of DESIGN.md §13 (what ``KVClient.status()``
-returns) and builds the summary line and tenant cells of
-``kvdaemon.cli.status_view``, plus bars: the capacity mapped by tenants, and per
-tenant its mapped bytes against its limit (against the capacity when it has
-none) and its share of the capacity. Pure: builds renderables, prints
-nothing, reads no clock; O(tenants).
+returns) and builds two header lines (where, backend, page, tenants; capacity,
+free and a bar of the mapped share), one row per tenant and a help line. A
+row shows the tenant's state in words, its sizes in at most six characters,
+a bar of mapped bytes against its limit (against the capacity without one),
+its idle time, and what it owes: the bytes it maps above a limit lowered under
+it (``-`` when none), in red. Names longer than the column are cut with an
+ellipsis; everything else fits in 80 columns. Pure: builds renderables, prints
+nothing, reads no clock; O(tenants log tenants).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,54 +21,116 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvdaemon.cli import status_view
+from kvdaemon.cli.status_view import format_duration, owed_bytes
+from kvdaemon.wire.sizes import format_bytes, format_bytes_short
 
 BAR_WIDTH = 20
+ROW_BAR_WIDTH = 8
+NAME_WIDTH = 18
 FILLED, EMPTY = "█", "░"
 UNREACHABLE = "daemon unreachable"
+STATE_WORDS = {"active": "active", "sleeping-warm": "asleep (warm)", "sleeping-cold": "asleep (cold)"}
+
+# sort key name -> (key letter, function of a tenant, descending?)
+SORTS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], bool]] = {
+    "mapped": ("m", lambda t: t["mapped_bytes"], True),
+    "used": ("u", lambda t: t["used_bytes"], True),
+    "name": ("n", lambda t: str(t["name"]), False),
+    "idle": ("i", lambda t: t["idle_seconds"], True),
+    "state": ("s", lambda t: str(t["state"]), False),
+}
+SORT_KEYS = {letter: name for name, (letter, _, _) in SORTS.items()}
 
 
-def frame(dir: Path, status: dict[str, Any] | None, footer: str | None = None) -> RenderableType:
-    """One screen of ``kvdaemon top``.
+def frame(
+    dir: Path,  # noqa: A002
+    status: dict[str, Any] | None,
+    footer: str | None = None,
+    sort: str = "mapped",
+) -> RenderableType:
+    """One screen of ``kvdaemon top``: header, tenants sorted by ``sort``, then ``footer``.
 
-    With a status: the ``status`` summary line, a bar of the capacity mapped
-    by tenants, then one row per tenant in the order given (or ``no tenants
-    registered``). With ``None`` (no daemon answered): one line saying
-    ``daemon unreachable``. ``footer``, when given, is the last line.
+    With ``None`` (no daemon answered): one line saying ``daemon unreachable``.
     """
     parts: list[RenderableType] = []
     if status is None:
         parts.append(Text(f"kvdaemon at {dir}: {UNREACHABLE}, retrying", style="bold red"))
     else:
-        parts.append(Text(status_view.summary_line(dir, status)))
-        parts.append(capacity_line(status))
-        parts.append(tenant_table(status) if status["tenants"] else Text("no tenants registered"))
+        parts.extend(header(dir, status))
+        tenants = sorted_tenants(status["tenants"], sort)
+        parts.append(tenant_table(status, tenants) if tenants else Text("no tenants registered"))
     if footer:
         parts.append(Text(footer, style="dim"))
     return Group(*parts)
 
 
-def capacity_line(status: dict[str, Any]) -> Text:
-    """``mapped ████░░… 25%``: the share of the capacity that is not free."""
-    capacity = status["capacity_bytes"]
-    return Text.assemble("mapped ", usage_bar(capacity - status["free_bytes"], capacity))
+def help_line(sort: str, interval_s: float) -> str:
+    """``q quit · sort by m mapped, u in use, n name, i idle, s state [mapped] · 1s``."""
+    keys = ", ".join(f"{letter} {_column(name)}" for name, (letter, _, _) in SORTS.items())
+    return f"q quit · sort by {keys} [{_column(sort)}] · {interval_s:g}s"
 
 
-def tenant_table(status: dict[str, Any]) -> Table:
-    """The ``status`` table of the tenants plus two columns: ``of limit`` (a bar of
-    mapped bytes against the limit, or the capacity where there is none) and
-    ``of capacity`` (mapped bytes as a percentage of the capacity)."""
-    table = status_view.tenant_table([])  # its columns; the rows are added here
+def _column(sort: str) -> str:
+    return "in use" if sort == "used" else sort
+
+
+def header(dir: Path, status: dict[str, Any]) -> list[Text]:  # noqa: A002
+    """Where and what (directory, backend, page, tenants), then capacity, free and the bar."""
+    capacity, free = status["capacity_bytes"], status["free_bytes"]
+    num_tenants = len(status["tenants"])
+    return [
+        Text(
+            f"kvdaemon at {dir} · backend {status['backend']} · "
+            f"page {format_bytes(status['page_size'])} · {num_tenants} tenant(s)"
+        ),
+        Text.assemble(
+            f"capacity {format_bytes(capacity)} · free {format_bytes(free)} · mapped ",
+            usage_bar(capacity - free, capacity),
+        ),
+    ]
+
+
+def sorted_tenants(tenants: list[dict[str, Any]], sort: str) -> list[dict[str, Any]]:
+    """``tenants`` ordered by the ``SORTS`` key ``sort`` (ties by name); ``ValueError`` if unknown."""
+    if sort not in SORTS:
+        raise ValueError(f"unknown sort key {sort!r}; choose one of {', '.join(SORTS)}")
+    _, key, descending = SORTS[sort]
+    by_name = sorted(tenants, key=lambda t: str(t["name"]))
+    return sorted(by_name, key=key, reverse=descending)
+
+
+def tenant_table(status: dict[str, Any], tenants: list[dict[str, Any]]) -> Table:
+    """One row per tenant of ``tenants``, in that order."""
+    table = Table(box=None, pad_edge=False, padding=(0, 1), collapse_padding=True,
+                  header_style="bold")  # fmt: skip
+    table.add_column("name", max_width=NAME_WIDTH, overflow="ellipsis", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    for column in ("mapped", "in use", "limit"):
+        table.add_column(column, justify="right", no_wrap=True)
     table.add_column("of limit", no_wrap=True)
-    table.add_column("of capacity", justify="right", no_wrap=True)
+    table.add_column("idle", justify="right", no_wrap=True)
+    table.add_column("owes", justify="right", no_wrap=True)
     capacity = status["capacity_bytes"]
-    for tenant in status["tenants"]:
+    for tenant in tenants:
         limit = tenant.get("max_bytes")
-        mapped = tenant["mapped_bytes"]
-        cells = [Text(cell) for cell in status_view.tenant_row(tenant)]  # names are not markup
-        bar = usage_bar(mapped, capacity if limit is None else limit)
-        table.add_row(*cells, bar, Text(percent(mapped, capacity)))
+        mapped = int(tenant["mapped_bytes"])
+        owed = owed_bytes(tenant)
+        table.add_row(
+            Text(str(tenant["name"])),  # names are not markup
+            Text(state_words(str(tenant["state"]))),
+            format_bytes_short(mapped),
+            format_bytes_short(int(tenant["used_bytes"])),
+            "none" if limit is None else format_bytes_short(int(limit)),
+            usage_bar(mapped, capacity if limit is None else int(limit), width=ROW_BAR_WIDTH),
+            format_duration(float(tenant["idle_seconds"])),
+            Text(format_bytes_short(owed), style="bold red") if owed else Text("-", style="dim"),
+        )
     return table
+
+
+def state_words(state: str) -> str:
+    """``active``, ``asleep (warm)``, ``asleep (cold)``; another state with its dashes as spaces."""
+    return STATE_WORDS.get(state, state.replace("-", " "))
 
 
 def usage_bar(used: int, total: int, width: int = BAR_WIDTH) -> Text:

@@ -2,25 +2,34 @@
 
 :class:`Metrics` owns one private ``CollectorRegistry`` (never the global
 one, so several daemons or tests can live in one process) and serves it over
-HTTP on ``127.0.0.1`` only. Event metrics (grant latency, pages granted and
-shrunk, lease expiries) are updated by the daemon as they happen and cost a
-lock and an add each. Pool and tenant gauges are not stored at all: each
-scrape calls the ``snapshot`` callable (the ``status`` object of DESIGN.md
-§13) from the HTTP server's thread, so ``snapshot`` must be safe to call from
-another thread and cheap (O(tenants)).
+HTTP on the configured address (``127.0.0.1`` by default): ``/metrics`` (any
+other path too, as Prometheus clients expect) and ``/healthz``, which answers
+``ok`` without touching the daemon's state. Event metrics (grant latency,
+pages granted and shrunk, lease expiries) are updated by the daemon as they
+happen and cost a lock and an add each. Pool and tenant gauges are not stored
+at all: each scrape calls the ``snapshot`` callable (the ``status`` object of
+DESIGN.md §13) from the HTTP server's thread, so ``snapshot`` must be safe to
+call from another thread and cheap (O(tenants)).
+
+The server is bounded (``kvdaemon.daemon.http_limits``): at most
+``MAX_HANDLERS`` requests are handled at once, each must arrive whole within
+``REQUEST_TIMEOUT_S``; connections past the cap are closed unanswered, so
+clients that send half a request and wait cannot pile up threads.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from socketserver import ThreadingMixIn
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
+from kvdaemon import __version__
+from kvdaemon.daemon.http_limits import (
+    MAX_HANDLERS, REQUEST_TIMEOUT_S, BoundedServer, bounded_server,
+)  # fmt: skip
 from kvdaemon.errors import ConfigError
 
 Snapshot = Callable[[], dict[str, Any]]
@@ -34,19 +43,21 @@ GRANT_LATENCY_BUCKETS_S = (
 
 LISTEN_ADDR = "127.0.0.1"
 SHUTDOWN_POLL_S = 0.05  # how often the server thread checks for stop(); bounds stop()'s wait
+HEALTH_PATH = "/healthz"
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    """One thread per scrape, so a slow scraper never blocks another."""
+def _with_health(metrics_app: WsgiApp) -> WsgiApp:
+    """``/healthz`` answers ``ok`` at once (no snapshot, no lock); every other path is metrics."""
 
-    daemon_threads = True
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == HEALTH_PATH:
+            start_response("200 OK", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"ok\n"]
+        return metrics_app(environ, start_response)
 
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access log on stderr for every scrape."""
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        pass
+    return app
 
 
 class _StatusCollector:
@@ -61,6 +72,10 @@ class _StatusCollector:
 
     def collect(self) -> Iterator[Metric]:
         status = self._snapshot()
+        yield _gauge("kvdaemon_up", "1 while the daemon serves; a failed scrape means it does not.", 1)
+        info = InfoMetricFamily("kvdaemon", "The daemon's version and memory backend.")
+        info.add_metric([], {"version": __version__, "backend": str(status["backend"])})
+        yield info
         yield _gauge("kvdaemon_capacity_bytes", "Bytes of device memory the pool manages.",
                      status["capacity_bytes"])  # fmt: skip
         yield _gauge("kvdaemon_free_bytes", "Bytes of the pool not mapped by any tenant.",
@@ -117,34 +132,48 @@ def _sleep_and_reclaim(status: dict[str, Any]) -> Iterator[Metric]:
 
 
 class Metrics:
-    """Prometheus metrics of one daemon, served on ``127.0.0.1:port`` once started.
+    """Prometheus metrics of one daemon, served on ``host:port`` once started.
 
     ``port`` 0 binds a free port (read it back from ``bound_port``). The
     recording methods work whether or not the server is running.
+    ``request_timeout_s`` and ``max_handlers`` bound the HTTP server (see the
+    module docstring).
     """
 
-    def __init__(self, port: int, snapshot: Snapshot) -> None:
+    def __init__(
+        self,
+        port: int,
+        snapshot: Snapshot,
+        host: str = LISTEN_ADDR,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        max_handlers: int = MAX_HANDLERS,
+    ) -> None:
+        self.host = host
         self.port = port
+        self.request_timeout_s = request_timeout_s
+        self.max_handlers = max_handlers
         self.registry = CollectorRegistry()
         self._collector = _StatusCollector(snapshot)
         self._grant_latency = Histogram(
             "kvdaemon_grant_latency_seconds",
-            "Time from a grow request to its reply, in seconds.",
+            "Time the daemon took to serve one grow (checks, page grants), in seconds.",
             buckets=GRANT_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
         self._granted_pages = Counter(
-            "kvdaemon_granted_pages", "Logical pages granted to tenants.", registry=self.registry
+            "kvdaemon_granted_pages", "Physical pages granted to tenants by grows.",
+            registry=self.registry,
         )
         self._shrunk_pages = Counter(
-            "kvdaemon_shrunk_pages", "Logical pages returned by tenants.", registry=self.registry
+            "kvdaemon_shrunk_pages", "Physical pages tenants gave back by shrinks.",
+            registry=self.registry,
         )
         self._lease_expiries = Counter(
             "kvdaemon_lease_expiries",
             "Tenants whose lease ended without unregistering (process died).",
             registry=self.registry,
         )
-        self._server: WSGIServer | None = None
+        self._server: BoundedServer | None = None
         self._thread: threading.Thread | None = None
 
     @property
@@ -152,23 +181,31 @@ class Metrics:
         """The port the server listens on, or ``None`` when it is not running."""
         return None if self._server is None else self._server.server_port
 
-    def start(self) -> None:
-        """Register the status collector and serve on 127.0.0.1 from a daemon thread.
+    @property
+    def url(self) -> str | None:
+        """``http://HOST:PORT/metrics`` while serving, else ``None``."""
+        if self._server is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.bound_port}/metrics"
 
-        Raises ``ConfigError`` naming the port when it cannot be bound. Idempotent.
+    def start(self) -> None:
+        """Register the status collector and serve on ``host:port`` from a daemon thread.
+
+        Raises ``ConfigError`` naming the address when it cannot be bound. Idempotent.
         """
         if self._server is not None:
             return
         self.registry.register(self._collector)
         try:
-            server = make_server(
-                LISTEN_ADDR, self.port, make_wsgi_app(self.registry),
-                _ThreadingServer, handler_class=_QuietHandler,
+            server = bounded_server(
+                self.host, self.port, _with_health(make_wsgi_app(self.registry)),
+                request_timeout_s=self.request_timeout_s, max_handlers=self.max_handlers,
             )  # fmt: skip
         except OSError as err:
             self.registry.unregister(self._collector)
             raise ConfigError(
-                f"cannot serve metrics on {LISTEN_ADDR}:{self.port}: {err.strerror}"
+                f"cannot serve metrics on {self.host}:{self.port}: {err.strerror or err}"
             ) from err
         self._server = server
         self._thread = threading.Thread(

@@ -70,6 +70,7 @@ class Daemon:
         self._shutting_down = False  # leases closing now are not tenant deaths
         self._next_tick = 0.0
         self.warnings = LogThrottle(log)
+        self.on_stopping: Callable[[], None] = lambda: None  # first thing the teardown calls
 
     # -- setup -----------------------------------------------------------------
 
@@ -99,7 +100,7 @@ class Daemon:
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         if cfg.metrics_port:
-            self.metrics = Metrics(cfg.metrics_port, self._snapshot)
+            self.metrics = Metrics(cfg.metrics_port, self._snapshot, host=cfg.metrics_host)
             self.metrics.start()
         log.info(
             "kvdaemon serving at %s: backend %s, %d pages of %d bytes",
@@ -247,6 +248,7 @@ class Daemon:
         """Tell tenants, close their leases, and let go of the backend without releasing
         a page any tenant maps (the memory lives on in the tenants' imported handles)."""
         assert self.service is not None
+        self.on_stopping()
         log.info("kvdaemon shutting down; %d tenant(s) keep their pages", len(self.service.tenants))
         self._shutting_down = True
         with self.service.lock:

@@ -1,19 +1,92 @@
-"""Where a daemon's files live inside its directory."""
+"""Where a daemon's files live, and whether a daemon directory may be trusted.
+
+Shared by the daemon (which creates its directory) and by clients (which must
+not talk to a daemon in a directory another user controls).
+
+The default directory, first match wins (the environment is read when called):
+
+1. ``$KVDAEMON_DIR``;
+2. ``/run/kvdaemon`` when running as root (the systemd unit in ``deploy/`` sets
+   ``KVDAEMON_DIR=/run/kvdaemon`` for its non-root user, so the rule holds there too);
+3. ``$XDG_RUNTIME_DIR/kvdaemon`` when ``$XDG_RUNTIME_DIR`` is an absolute path to a
+   directory of ours (a login session's private runtime directory);
+4. ``/tmp/kvdaemon-$UID``.
+
+A daemon and its clients find each other only if they resolve the same
+directory: a system daemon (systemd, a container) and clients in another
+session should all be given ``KVDAEMON_DIR`` explicitly.
+"""
 
 from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvdaemon.errors import Forbidden
+from kvdaemon.errors import UnsafeDirectory
+
+PRIVATE_DIR_MODE = 0o700
+SYSTEM_DIR = Path("/run/kvdaemon")
 
 
-def default_dir() -> Path:
-    """``$KVDAEMON_DIR`` if set, else ``/tmp/kvdaemon-$UID``. Reads the environment when called."""
-    env = os.environ.get("KVDAEMON_DIR")
-    return Path(env) if env else Path(f"/tmp/kvdaemon-{os.getuid()}")
+def default_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The daemon directory when none is given (see the module docstring). One stat at most."""
+    env = os.environ if env is None else env
+    if env.get("KVDAEMON_DIR"):
+        return Path(env["KVDAEMON_DIR"])
+    if os.geteuid() == 0:
+        return SYSTEM_DIR
+    xdg = env.get("XDG_RUNTIME_DIR", "")
+    if xdg.startswith("/") and _is_own_dir(Path(xdg)):
+        return Path(xdg) / "kvdaemon"
+    return Path(f"/tmp/kvdaemon-{os.getuid()}")
+
+
+def _is_own_dir(path: Path) -> bool:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+
+
+def check_private_dir(root: Path) -> None:
+    """Raise ``UnsafeDirectory`` unless ``root`` is a real directory (not a symlink),
+    owned by this process's effective uid, with mode exactly 0700.
+
+    Costs one ``lstat``. Changes nothing: a directory that fails is never fixed
+    here, since it may be someone else's (``/tmp`` itself, a shared 0777 folder).
+    """
+    try:
+        info = os.lstat(root)
+    except FileNotFoundError as err:
+        raise UnsafeDirectory(f"daemon directory {root} does not exist") from err
+    except OSError as err:
+        raise UnsafeDirectory(f"cannot use {root} as the daemon directory: {err.strerror}") from err
+    if stat.S_ISLNK(info.st_mode):
+        raise UnsafeDirectory(
+            f"daemon directory {root} is a symlink; give the real path with --dir"
+        )
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeDirectory(f"daemon directory {root} exists and is not a directory")
+    if info.st_uid != os.geteuid():
+        raise UnsafeDirectory(
+            f"daemon directory {root} belongs to uid {info.st_uid}, not to you "
+            f"(uid {os.geteuid()}); choose another directory with --dir"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & (stat.S_ISVTX | stat.S_IWOTH):
+        raise UnsafeDirectory(
+            f"daemon directory {root} is shared (mode {mode:04o}); "
+            "choose a directory of its own with --dir (it is created 0700)"
+        )
+    if mode != PRIVATE_DIR_MODE:
+        raise UnsafeDirectory(
+            f"daemon directory {root} has mode {mode:04o}, not 0700; "
+            f"run `chmod 700 {root}` if it is yours alone, or choose another directory with --dir"
+        )
 
 
 @dataclass(frozen=True)
@@ -49,26 +122,3 @@ class DaemonPaths:
     def sockets(self) -> list[Path]:
         return [self.control_socket, self.handle_socket]
 
-
-def check_private_dir(root: Path) -> None:
-    """Raise ``Forbidden`` unless ``root`` is a real directory (not a symlink) owned by
-    this process's uid with no access for group or others.
-
-    What a client checks before it speaks to a daemon: only its own uid can
-    have put sockets there. Costs one ``lstat``.
-    """
-    try:
-        info = os.lstat(root)
-    except FileNotFoundError:
-        return  # nothing there: connecting fails as unreachable
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise Forbidden(f"{root} is not a directory (a symlink or a file): refusing to use it")
-    if info.st_uid != os.getuid():
-        raise Forbidden(
-            f"{root} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}): "
-            "refusing to talk to a daemon another user runs"
-        )
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        raise Forbidden(
-            f"{root} has mode {stat.S_IMODE(info.st_mode):04o}; a daemon directory must be 0700"
-        )

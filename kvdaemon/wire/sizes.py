@@ -139,3 +139,23 @@ def format_bytes(num_bytes: int) -> str:
             digits = 2 if value < 10 else 1
             return f"{sign}{value:.{digits}f} {name}"
     return f"{sign}{magnitude} B"
+
+
+def format_bytes_short(num_bytes: int) -> str:
+    """At most six characters, for narrow columns: ``0``, ``512B``, ``8.00M``, ``24.0G``, ``0.99G``.
+
+    Binary units as one letter (K, M, G, T), three significant digits; a value
+    that would need four digits is written in the next unit up (``0.99G``).
+    """
+    sign = "-" if num_bytes < 0 else ""
+    magnitude = abs(num_bytes)
+    if magnitude < 1000:
+        return f"{sign}{magnitude}B" if magnitude else "0"
+    units = [(name[0], unit_bytes) for name, unit_bytes in reversed(_DISPLAY_UNITS)]
+    index = max(i for i, (_, unit_bytes) in enumerate(units) if magnitude >= unit_bytes or i == 0)
+    value = magnitude / units[index][1]
+    if value >= 999.5 and index + 1 < len(units):
+        index += 1
+        value = magnitude / units[index][1]
+    text = f"{value:.2f}" if value < 9.995 else f"{value:.1f}" if value < 99.95 else f"{value:.0f}"
+    return f"{sign}{text}{units[index][0]}"

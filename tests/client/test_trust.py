@@ -18,7 +18,7 @@ import pytest
 from kvdaemon.client import KVClient
 from kvdaemon.client.lease import Lease
 from kvdaemon.cuda_vmm import HostBackend
-from kvdaemon.errors import DaemonUnreachable, Forbidden
+from kvdaemon.errors import DaemonUnreachable, Forbidden, UnsafeDirectory
 from kvdaemon.wire.paths import DaemonPaths
 
 from tests.conftest import RunningDaemon, running_daemon, short_dir, wait_until
@@ -36,7 +36,7 @@ def kvd() -> Iterator[RunningDaemon]:
 def test_a_loose_directory_is_refused_before_anything_is_sent(kvd: RunningDaemon) -> None:
     os.chmod(kvd.dir, 0o755)
     try:
-        with pytest.raises(Forbidden, match="0700"):
+        with pytest.raises(UnsafeDirectory, match="0700"):
             KVClient(kvd.dir).status()
     finally:
         os.chmod(kvd.dir, 0o700)
@@ -47,7 +47,7 @@ def test_a_symlinked_directory_is_refused(kvd: RunningDaemon) -> None:
     link = Path(short_dir()) / "d"
     link.symlink_to(kvd.dir)
     try:
-        with pytest.raises(Forbidden, match="symlink"):
+        with pytest.raises(UnsafeDirectory, match="symlink"):
             KVClient(link).status()
     finally:
         shutil.rmtree(link.parent)
@@ -57,7 +57,7 @@ def test_a_symlinked_directory_is_refused(kvd: RunningDaemon) -> None:
 def test_a_directory_of_another_user_is_refused(kvd: RunningDaemon) -> None:
     os.chown(kvd.dir, NOBODY, -1)
     try:
-        with pytest.raises(Forbidden, match="uid"):
+        with pytest.raises(UnsafeDirectory, match="uid"):
             KVClient(kvd.dir).status()
     finally:
         os.chown(kvd.dir, 0, -1)

@@ -162,10 +162,16 @@ def test_dir_is_0700_and_sockets_0600(cli: Cli) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
-def test_wider_dir_is_tightened_to_0700(cli: Cli) -> None:
+def test_a_loose_dir_is_refused_with_exit_2_and_left_alone(cli: Cli) -> None:
     os.chmod(cli.dir, 0o755)
-    cli.started_pid()
-    assert stat.S_IMODE(cli.dir.stat().st_mode) == 0o700
+    done = cli.start()
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"error UNSAFE_DIR: daemon directory {cli.dir} has mode 0755, not 0700; run "
+        f"`chmod 700 {cli.dir}` if it is yours alone, or choose another directory with --dir"
+    )
+    assert stat.S_IMODE(cli.dir.stat().st_mode) == 0o755
+    assert list(cli.dir.iterdir()) == []
 
 
 def test_second_start_is_refused(cli: Cli) -> None:
@@ -185,7 +191,8 @@ def test_status_json_is_the_status_object(cli: Cli) -> None:
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
     assert set(status) == STATUS_KEYS | {
-        "host_bytes", "counters", "device", "pid", "version", "uptime_seconds"}
+        "dir", "host_bytes", "counters", "device", "pid", "version", "uptime_seconds"}
+    assert status["dir"] == str(cli.dir)
     assert {key: status[key] for key in STATUS_KEYS} == {
         "backend": "host", "page_size": 2 * MiB, "capacity_bytes": 64 * MiB,
         "free_bytes": 64 * MiB, "tenants": [],
@@ -250,10 +257,10 @@ def test_limit_errors(cli: Cli) -> None:
 
 def test_commands_without_a_daemon_exit_1(cli: Cli) -> None:
     message = f"no kvdaemon running at {cli.dir} — start it with `kvdaemon start`"
-    for args in (("stop",), ("status",), ("status", "--json"), ("limit", "x", "--max", "1MiB"),
-                 ("sleep", "x"), ("wake", "x")):
+    for args in (("status",), ("limit", "x", "--max", "1MiB"), ("sleep", "x"), ("wake", "x"),
+                 ("wait", "x"), ("top", "--once")):
         done = cli.run(*args)
-        assert (done.returncode, done.stderr.strip()) == (1, message), args
+        assert (done.returncode, done.stderr.strip(), done.stdout) == (1, message, ""), args
 
 
 def test_bad_config_exits_2_and_starts_nothing(cli: Cli) -> None:
@@ -326,12 +333,13 @@ def test_metrics_port_serves_prometheus(cli: Cli) -> None:
     assert samples["kvdaemon_grant_latency_seconds_count"] == 0
 
 
-def test_failed_start_exits_3_with_the_daemons_log(cli: Cli) -> None:
-    done = cli.start("--backend", "host", "--capacity", "1000TiB")  # more than this machine has
-    assert done.returncode == 3
-    assert done.stderr.startswith("error LIFECYCLE: kvdaemon exited with status 2")
-    assert "exceeds the device" in done.stderr
-    assert cli.run("status").returncode == 1
+def test_a_capacity_larger_than_the_device_is_a_usage_error(cli: Cli) -> None:
+    for flags in ((), ("--foreground",)):
+        done = cli.start("--backend", "host", "--capacity", "1000TiB", *flags)  # > this machine
+        assert done.returncode == 2, done.stderr
+        (line,) = done.stderr.splitlines()
+        assert line.startswith("error CONFIG: capacity 1099511627776000 (1000.0 TiB) exceeds the device")
+        assert cli.run("status").returncode == 1
 
 
 def test_daemon_process_does_not_load_torch(cli: Cli) -> None:
@@ -346,9 +354,8 @@ def test_busy_metrics_port_fails_the_start_with_a_clear_error(cli: Cli) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         done = cli.start(*HOST_FLAGS, "--metrics-port", str(port))
-    assert done.returncode == 3
-    assert done.stderr.startswith("error LIFECYCLE: kvdaemon exited with status 2")
-    assert f"error CONFIG: cannot serve metrics on 127.0.0.1:{port}" in done.stderr
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"error CONFIG: cannot serve metrics on 127.0.0.1:{port}: ")
     assert not any(path.exists() for path in cli.paths.sockets())
     assert cli.run("status").returncode == 1
 
@@ -380,3 +387,20 @@ def test_sleep_and_wake_from_the_cli(cli: Cli) -> None:
     finally:
         pool.close()
         client.close()
+
+
+def test_bad_paths_are_one_line_usage_errors(cli: Cli) -> None:
+    a_file = cli.dir / "file"
+    a_file.write_text("")
+    for target, reason in ((Path("/proc/kvd-test/x"), "No such file or directory"),
+                           (a_file / "kvd", "Not a directory"),
+                           (a_file / "deeper" / "kvd", "Not a directory")):  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "kvdaemon", "start", "--dir", str(target), *HOST_FLAGS],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.splitlines() == [
+            f"error CONFIG: cannot create daemon directory {target}: {reason}; "
+            "choose another directory with --dir"
+        ]

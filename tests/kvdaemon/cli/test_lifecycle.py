@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from kvdaemon.cli import lifecycle
+from kvdaemon.cli import detach, lifecycle, reach
 from kvdaemon.client import KVClient
 from kvdaemon.daemon.config import DaemonConfig
-from kvdaemon.errors import Conflict, DaemonUnreachable, Forbidden, LifecycleError
+from kvdaemon.errors import ConfigError, Conflict, DaemonUnreachable, UnsafeDirectory
 from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.sizes import parse_size
 from tests.conftest import short_dir
 
 
-def make_config(root: Path, capacity: str = "16MiB") -> DaemonConfig:
-    return DaemonConfig(dir=root, backend="host", capacity=parse_size(capacity))
+def make_config(root: Path, capacity: str = "16MiB", **settings: object) -> DaemonConfig:
+    return DaemonConfig(dir=root, backend="host", capacity=parse_size(capacity), **settings)
 
 
 @pytest.fixture
@@ -52,16 +52,23 @@ def test_prepare_dir_creates_0700_with_parents(root: Path) -> None:
     assert stat.S_IMODE(target.stat().st_mode) == 0o700
 
 
-def test_prepare_dir_tightens_an_existing_dir(root: Path) -> None:
-    os.chmod(root, 0o777)
-    lifecycle.prepare_dir(root)
-    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+@pytest.mark.parametrize("mode", [0o755, 0o777, 0o1777])
+def test_prepare_dir_refuses_an_existing_loose_dir_and_leaves_it_alone(root: Path, mode: int) -> None:
+    target = root / "loose"
+    target.mkdir()
+    os.chmod(target, mode)
+    with pytest.raises(UnsafeDirectory) as caught:
+        lifecycle.prepare_dir(target)
+    assert caught.value.code == "UNSAFE_DIR"
+    assert f"{target}" in caught.value.message and f"{mode:04o}" in caught.value.message
+    assert stat.S_IMODE(target.stat().st_mode) == mode  # never chmodded
+    assert list(target.iterdir()) == []  # nothing created in it
 
 
 def test_prepare_dir_refuses_a_file(root: Path) -> None:
     target = root / "file"
     target.write_text("")
-    with pytest.raises(Forbidden, match="not a directory"):
+    with pytest.raises(UnsafeDirectory, match="not a directory"):
         lifecycle.prepare_dir(target)
 
 
@@ -71,9 +78,9 @@ def test_prepare_dir_refuses_another_users_dir(root: Path) -> None:
     target.mkdir()
     os.chmod(target, 0o777)
     os.chown(target, 12345, 12345)
-    with pytest.raises(Forbidden, match="belongs to uid 12345") as caught:
+    with pytest.raises(UnsafeDirectory, match="belongs to uid 12345") as caught:
         lifecycle.prepare_dir(target)
-    assert caught.value.code == "FORBIDDEN"
+    assert caught.value.code == "UNSAFE_DIR"
     assert stat.S_IMODE(target.stat().st_mode) == 0o777  # left alone
 
 
@@ -97,7 +104,7 @@ def test_connect_fails_fast_without_a_daemon(root: Path) -> None:
     DaemonPaths(root).control_socket.touch()  # a dead daemon's leftover
     started = time.monotonic()
     with pytest.raises(DaemonUnreachable) as caught:
-        lifecycle.connect(root)
+        reach.connect(root)
     assert time.monotonic() - started < 1.0
     assert caught.value.message == (
         f"no kvdaemon running at {root} — start it with `kvdaemon start`"
@@ -142,7 +149,7 @@ def test_run_foreground_serves_until_shutdown_and_cleans_up(root: Path) -> None:
     sigterm_before = signal.getsignal(signal.SIGTERM)
     helper = threading.Thread(target=shut_down_once_up)
     helper.start()
-    assert lifecycle.run_foreground(make_config(root)) == 0
+    assert lifecycle.run_foreground(make_config(root, log_file=paths.log_file)) == 0
     helper.join()
 
     assert seen == {"pid": os.getpid(), "pid_file": f"{os.getpid()}\n", "running": os.getpid()}
@@ -154,13 +161,13 @@ def test_run_foreground_serves_until_shutdown_and_cleans_up(root: Path) -> None:
     assert f"kvdaemon {os.getpid()} stopped" in paths.log_file.read_text()
 
 
-def test_start_detached_reports_an_early_exit_with_the_log(root: Path) -> None:
+def test_start_detached_reports_a_refused_config_as_the_childs_own_error(root: Path) -> None:
     config = make_config(root, capacity="1000TiB")  # more than this machine has
-    with pytest.raises(LifecycleError) as caught:
-        lifecycle.start_detached(config, timeout_s=30)
-    assert caught.value.code == "LIFECYCLE"
-    assert "exited with status 2 before accepting clients" in caught.value.message
-    assert "exceeds the device" in caught.value.message
+    with pytest.raises(ConfigError) as caught:
+        detach.start_detached(config, timeout_s=30)
+    assert caught.value.code == "CONFIG"
+    assert caught.value.message.startswith("capacity 1099511627776000 (1000.0 TiB) exceeds the device")
+    assert "\n" not in caught.value.message
     assert lifecycle.running_pid(DaemonPaths(root)) is None
 
 
@@ -170,6 +177,6 @@ def test_start_detached_refuses_a_running_daemon(root: Path) -> None:
     fd = hold_lock(paths)
     try:
         with pytest.raises(Conflict, match=r"already running .* \(pid 4242\)"):
-            lifecycle.start_detached(make_config(root))
+            detach.start_detached(make_config(root))
     finally:
         os.close(fd)

@@ -70,3 +70,18 @@ def test_render_summary_and_rows() -> None:
 def test_render_without_tenants() -> None:
     text = rendered(make_status([]))
     assert text.splitlines()[1] == "no tenants registered"
+
+
+def test_a_tenant_over_its_limit_shows_what_it_owes() -> None:
+    over = make_tenant(name="over", mapped_bytes=3072 * MiB, max_bytes=2048 * MiB)
+    text = rendered(make_status([make_tenant(), over]))
+    lines = text.splitlines()
+    assert lines[1].split()[-1] == "owes"
+    assert lines[2].split()[-1] == "-"  # under its limit
+    assert lines[3].split()[-2:] == ["1.00", "GiB"]  # 3 GiB mapped, limit lowered to 2 GiB
+    assert status_view.owed_bytes(over) == 1024 * MiB
+    assert status_view.owed_bytes(make_tenant(max_bytes=None)) == 0
+
+
+def test_no_owes_column_while_every_tenant_is_within_its_limit() -> None:
+    assert "owes" not in rendered(make_status([make_tenant()]))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 from rich.console import Console
 
 from kvdaemon.cli import top_view
@@ -33,15 +34,31 @@ cli = lifecycle_tests.cli  # the fixture: a detached daemon's directory, cleaned
 ROOT = Path("/tmp/kvd")
 
 
-def rendered(status: dict[str, Any] | None, footer: str | None = None) -> str:
+def rendered(status: dict[str, Any] | None, footer: str | None = None, sort: str = "mapped",
+             width: int = 80) -> str:  # fmt: skip
     out = io.StringIO()
-    Console(file=out, width=200, color_system=None).print(top_view.frame(ROOT, status, footer))
+    frame = top_view.frame(ROOT, status, footer, sort)
+    Console(file=out, width=width, color_system=None).print(frame)
     return out.getvalue()
 
 
 def row_of(text: str, name: str) -> str:
     (row,) = [line for line in text.splitlines() if line.startswith(name + " ")]
     return row
+
+
+def names_in(text: str) -> list[str]:
+    body = text.splitlines()[3:]  # two header lines and the column titles
+    return [line.split()[0] for line in body if line and not line.startswith("q quit")]
+
+
+THREE = [
+    make_tenant(),  # 1.5 GiB mapped of an 8 GiB limit, idle 3m05s
+    make_tenant(name="[bold]x", pid=7, state="sleeping-warm", mapped_bytes=0, used_bytes=0,
+                max_bytes=None, idle_seconds=4000),
+    make_tenant(name="over", mapped_bytes=3072 * MiB, used_bytes=3000 * MiB,
+                max_bytes=2048 * MiB, idle_seconds=2),
+]  # fmt: skip
 
 
 # -- the frame -------------------------------------------------------------------------------
@@ -56,42 +73,70 @@ def test_usage_bar() -> None:
     assert top_view.usage_bar(5, 0, width=10).plain == FILLED * 10 + " 100%"
 
 
-def test_frame_with_tenants() -> None:
-    tenants = [
-        make_tenant(),  # 1.5 GiB mapped of an 8 GiB limit
-        make_tenant(name="[bold]x", pid=7, state="sleeping-warm", mapped_bytes=0, max_bytes=None),
-        make_tenant(name="over", mapped_bytes=3072 * MiB, max_bytes=2048 * MiB),
-    ]
-    text = rendered(make_status(tenants), footer="q quits")
+def test_frame_with_tenants_at_80_columns() -> None:
+    footer = top_view.help_line("mapped", 1.0)
+    text = rendered(make_status(THREE), footer=footer)
     lines = text.splitlines()
-    assert lines[0].startswith("kvdaemon at /tmp/kvd: backend host, capacity 4.00 GiB, free 1.00 GiB")
-    assert lines[1] == "mapped " + FILLED * 15 + EMPTY * 5 + "  75%"  # 3 of 4 GiB not free
-    assert lines[2].split() == [
-        "name", "pid", "state", "mapped", "in", "use", "limit", "min", "weight", "idle",
-        "of", "limit", "of", "capacity",
+    assert lines[0] == "kvdaemon at /tmp/kvd · backend host · page 2.00 MiB · 3 tenant(s)"
+    assert lines[1] == (
+        "capacity 4.00 GiB · free 1.00 GiB · mapped " + FILLED * 15 + EMPTY * 5 + "  75%"
+    )
+    assert lines[2].split() == ["name", "state", "mapped", "in", "use", "limit", "of", "limit",
+                                "idle", "owes"]  # fmt: skip
+    assert len(lines) == 3 + 3 + 1  # one line per tenant: nothing wrapped
+    assert all(len(line) <= 80 for line in lines)
+    assert lines[-1] == footer == (
+        "q quit · sort by m mapped, u in use, n name, i idle, s state [mapped] · 1s"
+    )
+
+    assert row_of(text, "llama-a").split() == [
+        "llama-a", "active", "1.50G", "512M", "8.00G", FILLED + FILLED + EMPTY * 6, "19%",
+        "3m05s", "-",
     ]  # fmt: skip
-    assert lines[-1] == "q quits"
+    assert row_of(text, "[bold]x").split() == [  # names are not markup; state in words
+        "[bold]x", "asleep", "(warm)", "0", "0", "none", EMPTY * 8, "0%", "1h06m", "-",
+    ]  # fmt: skip
+    assert row_of(text, "over").split() == [  # over its limit: a full bar and what it owes
+        "over", "active", "3.00G", "2.93G", "2.00G", FILLED * 8, "150%", "2s", "1.00G",
+    ]  # fmt: skip
 
-    first = row_of(text, "llama-a")
-    assert first.split()[:3] == ["llama-a", "4242", "active"]
-    for size in ("1.50 GiB", "512.0 MiB", "8.00 GiB", "0 B", "3m05s"):
-        assert size in first
-    assert FILLED * 4 + EMPTY * 16 + "  19%" in first  # 1.5 of 8 GiB
-    assert first.endswith(" 38%")  # 1.5 of 4 GiB capacity
 
-    unlimited = row_of(text, "[bold]x")  # names are not markup
-    assert "sleeping-warm" in unlimited and "none" in unlimited
-    assert EMPTY * 20 + "   0%" in unlimited  # against the capacity
+def test_a_long_name_is_cut_not_wrapped() -> None:
+    tenant = make_tenant(name="llama-3-70b-instruct-production-replica-7")
+    lines = rendered(make_status([tenant])).splitlines()
+    assert len(lines) == 4 and all(len(line) <= 80 for line in lines)
+    assert lines[3].startswith("llama-3-70b-instr… active")
 
-    over = row_of(text, "over")
-    assert FILLED * 20 + " 150%" in over and over.endswith(" 75%")
+
+@pytest.mark.parametrize(
+    ("sort", "order"),
+    [
+        ("mapped", ["over", "llama-a", "[bold]x"]),
+        ("used", ["over", "llama-a", "[bold]x"]),
+        ("name", ["[bold]x", "llama-a", "over"]),
+        ("idle", ["[bold]x", "llama-a", "over"]),
+        ("state", ["llama-a", "over", "[bold]x"]),
+    ],
+)
+def test_sort_keys(sort: str, order: list[str]) -> None:
+    assert names_in(rendered(make_status(THREE), sort=sort)) == order
+
+
+def test_unknown_sort_key_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown sort key 'pid'"):
+        top_view.sorted_tenants(THREE, "pid")
+
+
+def test_state_words() -> None:
+    assert [top_view.state_words(s) for s in ("active", "sleeping-warm", "sleeping-cold")] == [
+        "active", "asleep (warm)", "asleep (cold)",
+    ]  # fmt: skip
+    assert top_view.state_words("going-to-sleep") == "going to sleep"
 
 
 def test_frame_without_tenants() -> None:
-    text = rendered(make_status([]))
-    lines = text.splitlines()
-    assert "capacity 4.00 GiB, free 1.00 GiB (25%)" in lines[0]
-    assert lines[1].startswith("mapped " + FILLED)
+    lines = rendered(make_status([])).splitlines()
+    assert lines[1].startswith("capacity 4.00 GiB · free 1.00 GiB · mapped " + FILLED)
     assert lines[2:] == ["no tenants registered"]
 
 
@@ -112,16 +157,22 @@ def test_top_once_shows_each_tenant(cli: Cli) -> None:
     second = client.register("qwen-b", small_spec(), weight=2.0, num_spare_pages=0)
     try:
         first.alloc(1)  # maps one logical page (2 segments x 2 MiB), no spare
-        done = cli.run("top", "--once")
-        assert done.returncode == 0, done.stderr
-        lines = done.stdout.splitlines()
-        assert lines[0].startswith(f"kvdaemon at {cli.dir}: backend host, capacity 64.0 MiB")
-        assert "2 tenant(s)" in lines[0]
-        a_row, b_row = row_of(done.stdout, "llama-a"), row_of(done.stdout, "qwen-b")
-        assert a_row.split()[:5] == ["llama-a", str(os.getpid()), "active", "4.00", "MiB"]
-        assert "16.0 MiB" in a_row and FILLED * 5 + EMPTY * 15 + "  25%" in a_row
-        assert b_row.split()[:4] == ["qwen-b", str(os.getpid()), "active", "0"]
-        assert EMPTY * 20 in b_row
+        for args in (("top", "--once"), ("top",)):  # stdout is no terminal: one frame either way
+            done = cli.run(*args)
+            assert done.returncode == 0, done.stderr
+            lines = done.stdout.splitlines()
+            assert lines[0] == f"kvdaemon at {cli.dir} · backend host · page 2.00 MiB · 2 tenant(s)"
+            assert lines[1].startswith("capacity 64.0 MiB · free 60.0 MiB · mapped ")
+            assert names_in(done.stdout) == ["llama-a", "qwen-b"]  # by mapped bytes
+            cells = row_of(done.stdout, "llama-a").split()
+            assert cells[:3] + cells[4:6] == [  # in use: as the last heartbeat said
+                "llama-a", "active", "4.00M", "16.0M", FILLED * 2 + EMPTY * 6,
+            ]  # fmt: skip
+            assert row_of(done.stdout, "qwen-b").split()[:3] == ["qwen-b", "active", "0"]
+        by_name = cli.run("top", "--sort", "name")
+        assert names_in(by_name.stdout) == ["llama-a", "qwen-b"]
+        bad = cli.run("top", "--sort", "pid")
+        assert bad.returncode == 2 and "'pid' is not one of" in bad.stderr
     finally:
         first.close()
         second.close()
@@ -243,3 +294,24 @@ def test_live_top_survives_the_daemon_going_away(cli: Cli) -> None:
         terminal.wait_for("capacity 64.0 MiB", after=gone)
         os.write(terminal.master, b"q")
         assert terminal.child.wait(timeout=5) == 0, terminal.text()
+
+
+def test_live_top_sorts_on_a_key_and_shows_its_help_line(cli: Cli) -> None:
+    cli.started_pid()
+    client = cli.client()
+    pools = [client.register(name, small_spec(), num_spare_pages=0) for name in ("aaa", "zzz")]
+    try:
+        pools[1].alloc(1)  # zzz maps more: first by mapped, last by name
+        with top_on_a_terminal(cli) as terminal:
+            shown = terminal.wait_for("[mapped] · 0.2s")
+            assert terminal.text().index("zzz", shown - 2000) < terminal.text().index("aaa", shown - 2000)
+            os.write(terminal.master, b"n")
+            by_name = terminal.wait_for("[name] · 0.2s", after=shown)
+            frame = terminal.text()[terminal.text().rfind("tenant(s)", 0, by_name):by_name]
+            assert frame.index("aaa") < frame.index("zzz")
+            os.write(terminal.master, b"q")
+            assert terminal.child.wait(timeout=5) == 0, terminal.text()
+    finally:
+        for pool in pools:
+            pool.close()
+        client.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,10 @@ import pytest
 
 from kvdaemon.daemon.config import KEYS, DaemonConfig, dir_from, load_config
 from kvdaemon.errors import ConfigError
+from kvdaemon.wire.paths import default_dir
 from kvdaemon.wire.sizes import bytes_of, percent_of
+
+REPO = Path(__file__).resolve().parents[3]
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -37,7 +39,7 @@ def _no_ambient_dir(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_defaults() -> None:
     config = load_config({}, {}, None)
     assert config == DaemonConfig(
-        dir=Path(f"/tmp/kvdaemon-{os.getuid()}"),
+        dir=default_dir(),
         backend="auto",
         device=0,
         capacity=percent_of(50),
@@ -115,19 +117,19 @@ def test_relative_dir_becomes_absolute(tmp_path: Path, monkeypatch: pytest.Monke
         ("capacity", "0%"),
         ("capacity", "150%"),
         ("capacity", "-1GiB"),
-        ("page_size", "1000"),
-        ("page_size", "0"),
-        ("page_size", "50%"),
-        ("page_size", "6KiB"),
-        ("metrics_port", "0"),
-        ("metrics_port", "65536"),
-        ("metrics_port", "http"),
-        ("idle_sleep", "0"),
-        ("idle_sleep", "-5s"),
-        ("idle_sleep", "soon"),
-        ("idle_sleep", "inf"),
-        ("idle_sleep", "nan"),
-        ("log_level", "LOUD"),
+        ("page-size", "1000"),
+        ("page-size", "0"),
+        ("page-size", "50%"),
+        ("page-size", "6KiB"),
+        ("metrics-port", "0"),
+        ("metrics-port", "65536"),
+        ("metrics-port", "http"),
+        ("idle-sleep", "0"),
+        ("idle-sleep", "-5s"),
+        ("idle-sleep", "soon"),
+        ("idle-sleep", "inf"),
+        ("idle-sleep", "nan"),
+        ("log-level", "LOUD"),
         ("dir", ""),
         ("dir", "/tmp/" + "d" * 120),
     ],
@@ -151,7 +153,7 @@ def test_bad_flag_raises_config_error_naming_flag_and_value(key: str, value: Any
         ("KVDAEMON_METRICS_PORT", "70000"),
         ("KVDAEMON_IDLE_SLEEP", "later"),
         ("KVDAEMON_LOG_LEVEL", "chatty"),
-        ("KVDAEMON_DIR", ""),
+        ("KVDAEMON_METRICS_ADDRESS", "9400:localhost"),
     ],
 )
 def test_bad_env_raises_config_error_naming_variable(name: str, value: str) -> None:
@@ -186,7 +188,7 @@ def test_bad_file_value_raises_config_error_naming_file_and_key(
 
 def test_unknown_file_key_is_refused(tmp_path: Path) -> None:
     file = write_toml(tmp_path, 'capacity = "1GiB"\ncapacty = "2GiB"\n')
-    with pytest.raises(ConfigError, match="unknown key.*capacty"):
+    with pytest.raises(ConfigError, match="key .capacty. is unknown"):
         load_config({}, {}, file)
 
 
@@ -202,7 +204,7 @@ def test_missing_file_is_refused(tmp_path: Path) -> None:
 
 
 def test_unknown_flag_is_refused() -> None:
-    with pytest.raises(ConfigError, match="unknown setting.*colour"):
+    with pytest.raises(ConfigError, match="setting .colour. is unknown"):
         load_config({"colour": "blue"}, {}, None)
 
 
@@ -258,8 +260,8 @@ def test_capacity_bytes_refuses_impossible_sizes(
     [
         {},
         {"dir": "/tmp/kvd-argv", "backend": "host", "capacity": "12.5%", "device": "1"},
-        {"capacity": "1.5GiB", "page_size": "64KiB", "metrics_port": "9400",
-         "idle_sleep": "2.5m", "log_level": "debug"},
+        {"capacity": "1.5GiB", "page-size": "64KiB", "metrics-port": "9400",
+         "idle-sleep": "2.5m", "log-level": "debug"},
     ],
 )
 def test_to_argv_round_trips(flags: dict[str, str]) -> None:
@@ -273,11 +275,16 @@ def test_to_argv_overrides_any_environment() -> None:
     assert load_config(flags_from_argv(config.to_argv()), env, None) == config
 
 
-def test_dir_from_precedence() -> None:
+def test_dir_from_precedence(tmp_path: Path) -> None:
     env = {"KVDAEMON_DIR": "/tmp/kvd-env"}
-    assert dir_from(Path("/tmp/kvd-flag"), env) == Path("/tmp/kvd-flag")
-    assert dir_from(None, env) == Path("/tmp/kvd-env")
-    assert dir_from(None, {}) == Path(f"/tmp/kvdaemon-{os.getuid()}")
+    file = write_toml(tmp_path, 'dir = "/tmp/kvd-file"\ncapacity = "nonsense, unread here"\n')
+    assert dir_from(Path("/tmp/kvd-flag"), env, file) == Path("/tmp/kvd-flag")
+    assert dir_from(None, env, file) == Path("/tmp/kvd-env")
+    assert dir_from(None, {}, file) == Path("/tmp/kvd-file")
+    assert dir_from(None, {}) == default_dir()
+    assert dir_from(None, {"KVDAEMON_DIR": ""}) == default_dir()  # empty counts as unset
+    with pytest.raises(ConfigError, match="capcity"):
+        dir_from(None, {}, write_toml(tmp_path, "capcity = 1\n"))
 
 
 def test_idle_mode_from_env_and_file(tmp_path: Path) -> None:
@@ -286,7 +293,7 @@ def test_idle_mode_from_env_and_file(tmp_path: Path) -> None:
     assert load_config({}, {}, file).idle_mode == "cold"
     env = {"KVDAEMON_IDLE_MODE": "WARM"}
     assert load_config({}, env, file).idle_mode == "warm"
-    config = load_config({"idle_sleep": "60", "idle_mode": "cold"}, {}, None)
+    config = load_config({"idle-sleep": "60", "idle-mode": "cold"}, {}, None)
     assert config.to_argv()[-4:] == ["--idle-sleep", "60.0", "--idle-mode", "cold"]
     with pytest.raises(ConfigError, match="idle mode"):
         load_config({}, {"KVDAEMON_IDLE_MODE": "lukewarm"}, None)
@@ -294,9 +301,75 @@ def test_idle_mode_from_env_and_file(tmp_path: Path) -> None:
 
 def test_reclaim_sleep_is_on_unless_turned_off(tmp_path: Path) -> None:
     assert load_config({}, {}, None).reclaim_sleep is True
-    off = load_config({"reclaim_sleep": False}, {}, None)
+    off = load_config({"reclaim-sleep": False}, {}, None)
     assert off.reclaim_sleep is False and off.to_argv()[-1] == "--no-reclaim-sleep"
     assert load_config({}, {"KVDAEMON_RECLAIM_SLEEP": "off"}, None).reclaim_sleep is False
     assert load_config({}, {}, write_toml(tmp_path, "reclaim_sleep = false\n")).reclaim_sleep is False
     with pytest.raises(ConfigError, match="reclaim sleep"):
         load_config({}, {"KVDAEMON_RECLAIM_SLEEP": "maybe"}, None)
+
+
+def test_file_keys_are_spelled_like_the_flags(tmp_path: Path) -> None:
+    hyphens = write_toml(tmp_path, 'page-size = "64KiB"\nidle-sleep = "5m"\nlog-level = "debug"\n')
+    underscores = tmp_path / "old.toml"
+    underscores.write_text('page_size = "64KiB"\nidle_sleep = "5m"\nlog_level = "debug"\n')
+    assert load_config({}, {}, hyphens) == load_config({}, {}, underscores)
+    assert load_config({}, {}, hyphens).page_size_bytes == 64 * 1024
+    assert sorted(KEYS) == sorted(key.flag[2:] for key in KEYS.values())
+
+
+def test_a_key_in_both_spellings_is_refused(tmp_path: Path) -> None:
+    file = write_toml(tmp_path, 'page-size = "64KiB"\npage_size = "2MiB"\n')
+    with pytest.raises(ConfigError, match="'page-size' is given twice, as page-size and page_size"):
+        load_config({}, {}, file)
+
+
+@pytest.mark.parametrize(
+    ("text", "host", "port", "address"),
+    [
+        ("127.0.0.1:9400", "127.0.0.1", 9400, "127.0.0.1:9400"),
+        ("0.0.0.0:9400", "0.0.0.0", 9400, "0.0.0.0:9400"),
+        ("[::1]:9400", "::1", 9400, "[::1]:9400"),
+        ("localhost:80", "localhost", 80, "localhost:80"),
+        ("9400", "127.0.0.1", 9400, "127.0.0.1:9400"),
+    ],
+)
+def test_metrics_address(text: str, host: str, port: int, address: str) -> None:
+    config = load_config({"metrics-address": text}, {}, None)
+    assert (config.metrics_host, config.metrics_port, config.metrics_address) == (host, port, address)
+    assert load_config(flags_from_argv(config.to_argv()), {}, None) == config
+
+
+@pytest.mark.parametrize("text", ["", ":9400", "host:", "host:port", "a b:1", "1.2.3.4:70000", "[::1]"])
+def test_bad_metrics_address_is_refused(text: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config({"metrics-address": text}, {}, None)
+    assert caught.value.message.startswith("--metrics-address:")
+
+
+def test_metrics_port_is_short_for_a_loopback_address_and_excludes_it(tmp_path: Path) -> None:
+    assert load_config({"metrics-port": "9400"}, {}, None).metrics_address == "127.0.0.1:9400"
+    assert load_config({}, {}, None).metrics_address is None
+    file = write_toml(tmp_path, 'metrics-address = "0.0.0.0:9400"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_config({"metrics-port": "9500"}, {}, file)
+    assert caught.value.message == (
+        f"give the metrics address once: {file}: metrics-address and --metrics-port are both set"
+    )
+
+
+def test_log_file_becomes_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = load_config({"log-file": "kvd.log"}, {}, None)
+    assert config.log_file == tmp_path / "kvd.log"
+    assert config.to_argv()[-2:] == ["--log-file", str(tmp_path / "kvd.log")]
+    assert load_config({}, {}, None).log_file is None
+
+
+def test_the_example_config_sets_every_key() -> None:
+    example = REPO / "deploy" / "kvdaemon.toml"
+    text = example.read_text()
+    commented = {line.split("=")[0].strip("# ").strip() for line in text.splitlines() if "=" in line}
+    assert set(KEYS) <= commented  # every key is shown, set or as a comment
+    config = load_config({}, {}, example)
+    assert config.metrics_address is not None

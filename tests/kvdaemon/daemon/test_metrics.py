@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdaemon.errors import ConfigError
+from kvdaemon import __version__
 from kvdaemon.daemon.metrics import Metrics
+from kvdaemon.errors import ConfigError
 
 MiB = 1024 * 1024
 
@@ -197,3 +200,96 @@ def test_states_host_bytes_and_sleep_counters(metrics: Metrics, fake: FakeDaemon
     assert samples[("kvdaemon_host_bytes", ())] == 6 * MiB
     assert samples[("kvdaemon_sleeps_total", ())] == 3
     assert samples[("kvdaemon_victims_slept_total", ())] == 1
+
+
+def get(metrics: Metrics, path: str) -> tuple[int, str, str]:
+    """Status, content type and body of ``GET path``."""
+    url = f"http://127.0.0.1:{metrics.bound_port}{path}"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return reply.status, reply.headers["Content-Type"], reply.read().decode()
+
+
+def test_info_and_up(metrics: Metrics) -> None:
+    samples = scrape(metrics)
+    assert samples[("kvdaemon_up", ())] == 1
+    assert samples[("kvdaemon_info", (("backend", "host"), ("version", __version__)))] == 1
+
+
+def test_healthz_answers_without_a_snapshot(metrics: Metrics, fake: FakeDaemon) -> None:
+    status, content_type, body = get(metrics, "/healthz")
+    assert (status, body) == (200, "ok\n")
+    assert content_type.startswith("text/plain")
+    assert fake.num_snapshots == 0
+    assert "kvdaemon_up 1.0" in get(metrics, "/metrics")[2]
+    assert fake.num_snapshots == 1
+
+
+def test_help_texts_name_what_is_counted(metrics: Metrics) -> None:
+    _, _, text = get(metrics, "/metrics")
+    helps = dict(
+        line.removeprefix("# HELP ").split(" ", 1) for line in text.splitlines()
+        if line.startswith("# HELP ")
+    )  # fmt: skip
+    assert all(helps.values()), helps
+    assert helps["kvdaemon_granted_pages_total"].startswith("Physical pages")
+    assert helps["kvdaemon_shrunk_pages_total"].startswith("Physical pages")
+
+
+def test_serves_on_the_host_given(fake: FakeDaemon) -> None:
+    metrics = Metrics(0, fake.snapshot, host="0.0.0.0")
+    metrics.start()
+    try:
+        assert metrics.url == f"http://0.0.0.0:{metrics.bound_port}/metrics"
+        assert get(metrics, "/healthz")[2] == "ok\n"  # reached on 127.0.0.1 too
+    finally:
+        metrics.stop()
+    assert metrics.url is None
+
+
+def num_threads() -> int:
+    return len(psutil.Process().threads())
+
+
+def test_half_sent_requests_cannot_pile_up_threads(fake: FakeDaemon) -> None:
+    """Regression (#10 item 11): 200 clients that send half a request and wait held 200
+    threads for good. Now at most ``max_handlers`` are handled at once, each for at most
+    ``request_timeout_s``; the rest are closed at once, and scrapes work again after."""
+    metrics = Metrics(0, fake.snapshot, request_timeout_s=1.0, max_handlers=4)
+    metrics.start()
+    before = num_threads()
+    stalled: list[socket.socket] = []
+    try:
+        for _ in range(200):
+            sock = socket.create_connection(("127.0.0.1", metrics.bound_port), timeout=5)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # no blank line: never ends
+            stalled.append(sock)
+        wait_until(lambda: _closed_by_server(stalled) >= 196)  # all past the cap: closed
+        assert num_threads() <= before + 4
+        wait_until(lambda: _closed_by_server(stalled) == 200)  # the 4 held: timed out
+        assert get(metrics, "/healthz")[2] == "ok\n"
+        assert scrape(metrics)[("kvdaemon_up", ())] == 1
+    finally:
+        for sock in stalled:
+            sock.close()
+        metrics.stop()
+
+
+def _closed_by_server(socks: list[socket.socket]) -> int:
+    """How many of ``socks`` the server has closed (a read sees EOF or a reset at once)."""
+    closed = 0
+    for sock in socks:
+        sock.setblocking(False)
+        try:
+            closed += sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            pass
+        except ConnectionResetError:
+            closed += 1
+    return closed
+
+
+def wait_until(condition: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

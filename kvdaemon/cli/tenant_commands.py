@@ -1,0 +1,226 @@
+"""The ``kvdaemon`` commands about tenants: ``status``, ``limit``, ``sleep``, ``wake``, ``wait``.
+
+Each takes ``--dir``, ``--config`` and ``--json``; exit statuses are those of
+``kvdaemon.cli.exit_codes``. ``kvdaemon.cli.commands`` adds them to the group.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+
+from kvdaemon.cli import reach, status_view
+from kvdaemon.cli.options import (
+    JsonAwareCommand, SizeParam, command_help, daemon_dir, daemon_options,
+)  # fmt: skip
+from kvdaemon.cli.output import emit, reporting
+from kvdaemon.cli.tenant_wait import wait_for_tenants
+from kvdaemon.client import KVClient
+from kvdaemon.errors import BadRequest, UnknownTenant
+from kvdaemon.wire.sizes import SizeSpec, format_bytes
+
+PIPE_WIDTH = 200
+SLEEP_TIMEOUT_S = 60.0
+
+
+def stdout_console() -> Console:
+    """A console on stdout; piped output is not cut to 80 columns, so long
+    tenant names stay greppable."""
+    return Console(highlight=False, width=None if sys.stdout.isatty() else PIPE_WIDTH)
+
+
+@click.command(
+    cls=JsonAwareCommand,
+    short_help="Show capacity, free memory and the tenants (all, or those named).",
+    epilog=command_help("kvdaemon status\nkvdaemon status llama-a --json | jq .tenants[0].mapped_bytes"),
+)
+@click.argument("names", nargs=-1, metavar="[NAME]...")
+@daemon_options
+@reporting
+def status(names: tuple[str, ...], dir_flag: Path | None, config_file: Path | None,
+           as_json: bool) -> None:  # fmt: skip
+    """Show capacity, free memory and every tenant, or only the tenants NAME...
+
+    A NAME that is not registered is an error (UNKNOWN_TENANT, exit 3).
+    --json prints the daemon's status object with its tenants filtered.
+    """
+    root = daemon_dir(dir_flag, config_file)
+    with reach.talking(root) as client:
+        snapshot = client.status()
+    if names:
+        snapshot = {**snapshot, "tenants": _only(snapshot["tenants"], names)}
+    if as_json:
+        emit(True, {"dir": str(root), **snapshot}, "")
+        return
+    status_view.render(stdout_console(), root, snapshot)
+
+
+def _only(tenants: list[dict[str, Any]], names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The rows of ``names``, in that order; ``UnknownTenant`` naming any that is missing."""
+    rows = {str(t["name"]): t for t in tenants}
+    missing = [name for name in names if name not in rows]
+    if missing:
+        registered = ", ".join(sorted(rows)) or "none"
+        raise UnknownTenant(
+            f"no tenant named {', '.join(repr(n) for n in missing)} (registered: {registered})"
+        )
+    return [rows[name] for name in dict.fromkeys(names)]
+
+
+def _tenant(client: KVClient, name: str) -> dict[str, Any]:
+    """The status row of tenant ``name``; ``UnknownTenant`` when it is not registered."""
+    return _only(client.status()["tenants"], (name,))[0]
+
+
+@click.command(
+    cls=JsonAwareCommand,
+    short_help="Change a tenant's limit, guarantee or weight.",
+    epilog=command_help("kvdaemon limit llama-a --max 8GiB --min 1GiB\nkvdaemon limit qwen-b --max 40%"),
+)
+@click.argument("name")
+@click.option("--max", "max_size", type=SizeParam(),
+              help="Limit: bytes, 8GiB, or a percentage of the daemon's capacity.")
+@click.option("--min", "min_size", type=SizeParam(),
+              help="Guarantee: bytes, 1GiB, or a percentage of the daemon's capacity.")
+@click.option("--weight", type=click.FloatRange(min=0, min_open=True),
+              help="Share of contended memory, relative to other tenants.")
+@daemon_options
+@reporting
+def limit(name: str, max_size: SizeSpec | None, min_size: SizeSpec | None,
+          weight: float | None, dir_flag: Path | None, config_file: Path | None,
+          as_json: bool) -> None:  # fmt: skip
+    """Change a tenant's limit, guarantee or weight; takes effect at once.
+
+    A percentage is of the daemon's capacity. A tenant above a lowered limit
+    gives pages back; until it has, `status` and `top` show what it owes.
+    """
+    if max_size is None and min_size is None and weight is None:
+        raise click.UsageError("give at least one of --max, --min, --weight")
+    root = daemon_dir(dir_flag, config_file)
+    with reach.talking(root) as client:
+        capacity_bytes = int(client.hello()["capacity_bytes"])
+        applied = client.set_limit(
+            name,
+            max_bytes=None if max_size is None else max_size.resolve(capacity_bytes),
+            min_bytes=None if min_size is None else min_size.resolve(capacity_bytes),
+            weight=weight,
+        )
+        row = _tenant(client, name)
+    revision = applied.get("revision")
+    cells = dict(zip(status_view.COLUMNS, status_view.tenant_row(row)))
+    result = {"name": name, "revision": revision, "max_bytes": row.get("max_bytes"),
+              "min_bytes": row.get("min_bytes"), "weight": row.get("weight")}  # fmt: skip
+    emit(as_json, result, (
+        f"{name}: limit {cells['limit']}, min {cells['min']}, weight {cells['weight']} "
+        f"(revision {revision})"
+    ))  # fmt: skip
+
+
+@click.command(
+    cls=JsonAwareCommand,
+    short_help="Put a tenant to sleep: its pages go back to the pool.",
+    epilog=command_help("kvdaemon sleep llama-a\nkvdaemon sleep llama-a --cold"),
+)
+@click.argument("name")
+@click.option("--cold", is_flag=True, help="Drop the KV instead of keeping it in host memory.")
+@daemon_options
+@reporting
+def sleep(name: str, cold: bool, dir_flag: Path | None, config_file: Path | None,
+          as_json: bool) -> None:  # fmt: skip
+    """Put a tenant to sleep: its pages go back to the pool. Returns once it sleeps.
+
+    Warm (the default) keeps its KV in host memory and restores it on wake at
+    the same addresses; --cold drops it. A tenant already asleep that way is
+    left as it is (exit 0). An engine that registered with auto-wake (as the
+    transformers Engine does) wakes again at its next step with work.
+    """
+    mode = "cold" if cold else "warm"
+    with reach.talking(daemon_dir(dir_flag, config_file)) as client:
+        row = _tenant(client, name)
+        if row["state"] == f"sleeping-{mode}":
+            result = {"name": name, "state": row["state"], "changed": False,
+                      "host_bytes": int(row.get("host_bytes", 0))}  # fmt: skip
+            emit(as_json, result, f"{name}: already {row['state']}; nothing to do")
+            return
+        slept = client.sleep(name, mode, timeout_s=SLEEP_TIMEOUT_S)
+    result = {"name": name, "state": slept["state"], "changed": True,
+              "host_bytes": int(slept.get("host_bytes", 0))}  # fmt: skip
+    kept = "" if cold else f", {format_bytes(result['host_bytes'])} kept in host memory"
+    emit(as_json, result, f"{name}: {slept['state']}{kept}")
+
+
+@click.command(
+    cls=JsonAwareCommand,
+    short_help="Wake a sleeping tenant; a no-op for an awake one.",
+    epilog=command_help("kvdaemon wake llama-a"),
+)
+@click.argument("name")
+@daemon_options
+@reporting
+def wake(name: str, dir_flag: Path | None, config_file: Path | None, as_json: bool) -> None:
+    """Wake a sleeping tenant: fresh pages at the same addresses, KV restored if warm.
+
+    A tenant already awake is left as it is (exit 0, "already active").
+    """
+    with reach.talking(daemon_dir(dir_flag, config_file)) as client:
+        row = _tenant(client, name)
+        woke: dict[str, Any] | None = None
+        if row["state"] != "active":
+            try:
+                woke = client.wake(name, timeout_s=SLEEP_TIMEOUT_S)
+            except BadRequest:  # woken meanwhile (auto-wake)? then there is nothing to do
+                row = _tenant(client, name)
+                if row["state"] != "active":
+                    raise
+    if woke is None:
+        result = {"name": name, "state": row["state"], "changed": False,
+                  "mapped_bytes": int(row["mapped_bytes"])}  # fmt: skip
+        emit(as_json, result, f"{name}: already {row['state']}; nothing to do")
+        return
+    result = {"name": name, "state": woke["state"], "changed": True,
+              "mapped_bytes": int(woke["mapped_bytes"])}  # fmt: skip
+    emit(as_json, result, f"{name}: {woke['state']}, {format_bytes(result['mapped_bytes'])} mapped")
+
+
+@click.command(
+    "wait",
+    cls=JsonAwareCommand,
+    short_help="Wait until tenants have registered (or are in a state, or idle).",
+    epilog=command_help("""
+kvdaemon wait llama-a qwen-b --timeout 120
+kvdaemon sleep llama-a && kvdaemon wait llama-a --state active   # until its engine wakes it
+kvdaemon wait llama-a --idle 300 && kvdaemon sleep llama-a
+"""),
+)
+@click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=60.0,
+              show_default=True, metavar="SECONDS", help="Give up after this long (exit 5).")
+@click.option("--idle", "idle_s", type=click.FloatRange(min=0), metavar="SECONDS",
+              help="Also wait until each has gone this long without its blocks changing.")
+@click.option("--state", type=click.Choice(("active", "sleeping-warm", "sleeping-cold")),
+              help="Also wait until each is in this state.")
+@daemon_options
+@reporting
+def wait_command(names: tuple[str, ...], timeout_s: float, idle_s: float | None,
+                 state: str | None, dir_flag: Path | None, config_file: Path | None,
+                 as_json: bool) -> None:  # fmt: skip
+    """Wait until every tenant NAME has registered with the daemon (and, with
+    --state, is in that state; with --idle, has been idle that long).
+
+    Exits 0 once they have, 5 (TIMEOUT) if they have not within --timeout,
+    1 when no daemon runs.
+    """
+    root = daemon_dir(dir_flag, config_file)
+    with reach.talking(root) as client:
+        result = wait_for_tenants(client, list(dict.fromkeys(names)), timeout_s, idle_s, state)
+    what = "registered" if state is None else state
+    idle = f" and idle for {idle_s:g} s" if idle_s is not None else ""
+    emit(as_json, result, f"{', '.join(dict.fromkeys(names))}: {what}{idle} "
+                          f"(waited {result['waited_s']:.1f} s)")  # fmt: skip
+
+
+COMMANDS = (status, limit, sleep, wake, wait_command)

@@ -1,0 +1,57 @@
+"""``kvdaemon wait``: poll the daemon until named tenants have registered (and, if asked,
+are in a given state, or have been idle a while).
+
+Polls ``status`` every ``POLL_S`` (one round trip each) until every name is
+registered and, with ``state``, in that state (``active`` after an engine woke
+itself), and, with ``idle_s``, has gone ``idle_s`` seconds without its blocks
+changing (the status's ``idle_seconds``; a slow engine's single step can look
+idle too). Raises ``WaitTimeout`` naming what is still missing.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvdaemon.client import KVClient
+from kvdaemon.errors import WaitTimeout
+
+POLL_S = 0.2
+
+
+def wait_for_tenants(
+    client: KVClient,
+    names: list[str],
+    timeout_s: float,
+    idle_s: float | None = None,
+    state: str | None = None,
+) -> dict[str, Any]:
+    """Return ``{"tenants": [their status rows, in the order of names], "waited_s": s}``."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    while True:
+        rows = {str(t["name"]): t for t in client.status()["tenants"]}
+        pending = _pending(names, rows, idle_s, state)
+        now = time.monotonic()
+        if not pending:
+            return {"tenants": [rows[name] for name in names], "waited_s": round(now - started, 3)}
+        if now >= deadline:
+            raise WaitTimeout(f"after {timeout_s:g} s: {'; '.join(pending)}")
+        time.sleep(min(POLL_S, deadline - now))
+
+
+def _pending(
+    names: list[str], rows: dict[str, Any], idle_s: float | None, state: str | None
+) -> list[str]:
+    """What each name still waits for, as phrases (empty when all are there)."""
+    pending = []
+    for name in names:
+        if name not in rows:
+            pending.append(f"{name} has not registered")
+        elif state is not None and rows[name]["state"] != state:
+            pending.append(f"{name} is {rows[name]['state']}, not {state}")
+        elif idle_s is not None and rows[name]["idle_seconds"] < idle_s:
+            pending.append(
+                f"{name} has been idle {rows[name]['idle_seconds']:.1f} s, not {idle_s:g} s"
+            )
+    return pending

@@ -1,0 +1,34 @@
+"""Help texts: each command's --help has an example and the exit statuses; nothing is cut off."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from kvdaemon.cli.commands import main
+from kvdaemon.cli.exit_codes import EPILOG
+
+COMMANDS = ("start", "stop", "status", "limit", "sleep", "wake", "wait", "top", "version")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_help_has_an_example_and_the_exit_statuses(command: str) -> None:
+    result = CliRunner().invoke(main, [command, "--help"], terminal_width=80)
+    assert result.exit_code == 0
+    assert "\n  Example:\n    kvdaemon " + command in result.output
+    assert EPILOG in " ".join(result.output.split())  # the exit statuses, whole
+    assert "--dir" in result.output and "--config" in result.output
+    if command != "top":
+        assert "--json" in result.output
+
+
+def test_main_help_lists_every_command_in_full_and_documents_completion() -> None:
+    result = CliRunner().invoke(main, ["--help"], terminal_width=80)
+    assert result.exit_code == 0
+    listed = result.output.split("Commands:")[1]
+    for command in COMMANDS:
+        (line,) = [line for line in listed.splitlines() if line.split()[:1] == [command]]
+        short = main.commands[command].short_help
+        assert short and line.split(None, 1)[1] == short  # whole, not cut with "..."
+        assert "..." not in line
+    assert "_KVDAEMON_COMPLETE=bash_source kvdaemon" in " ".join(result.output.split())
