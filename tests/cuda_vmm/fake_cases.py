@@ -4,9 +4,9 @@ Run from the repository root with the fake driver's environment::
 
     python -m tests.cuda_vmm.fake_cases [CASE ...]
 
-Each case is a function that raises on failure. The child runs the cases
-named (all by default), each isolated, and prints one JSON line
-``{"results": {case: null | "traceback"}}``. Two groups: ``driver_*`` cases
+Each case is a function that raises on failure; ``tests.child_cases`` runs
+them and reports each (a ``crash_*`` case runs alone and must kill the
+process). Two groups: ``driver_*`` cases
 hold the fake driver to the rules of the real one (raw cuda-bindings calls);
 ``backend_*`` cases run ``CudaBackend`` on it, with CPU views of its pages.
 """
@@ -14,11 +14,9 @@ hold the fake driver to the rules of the real one (raw cuda-bindings calls);
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import sys
 import threading
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from cuda.bindings import driver as drv
 from kvdaemon.cuda_vmm import CudaBackend
 from kvdaemon.errors import BackendError
 
+from tests import child_cases
 from tests.cuda_vmm import fake_driver
 
 PAGE = 2 * 1024 * 1024
@@ -353,21 +352,14 @@ class _raises:
         return True
 
 
-def main(names: list[str]) -> None:
-    if len(names) == 1 and names[0] in CRASHES:
-        CRASHES[names[0]]()
-        return
+def mark_log() -> None:
+    """Start the running case's view of the driver log here."""
     global _log_mark
-    results: dict[str, str | None] = {}
-    for name in names or list(CASES):
-        _log_mark = len(fake_driver.read_log(Path(os.environ["FAKE_CUDA_LOG"])))
-        try:
-            CASES[name]()
-            results[name] = None
-        except BaseException:  # noqa: BLE001 (one case's failure is that case's result)
-            results[name] = traceback.format_exc()
-    print(json.dumps({"results": results}), flush=True)
+    _log_mark = len(fake_driver.read_log(Path(os.environ["FAKE_CUDA_LOG"])))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if len(sys.argv) == 2 and sys.argv[1] in CRASHES:
+        CRASHES[sys.argv[1]]()
+    else:
+        child_cases.main(CASES, before_each=mark_log)
