@@ -3,14 +3,16 @@
 Run from the repository root, with the project installed (``bench/gpu_run.sh``
 does it on a bare machine)::
 
-    python bench/gpu_check.py [--json PATH] [--only NAME ...]
+    python bench/gpu_check.py [--json PATH] [--only NAME ...] [--timeout S] [--budget S]
 
 Each check runs in a child process of its own (``--check NAME``, internal), so
 whatever one does (an exception, a sticky CUDA fault, a crash, a hang past
 its time limit) is that check's FAIL, with its traceback or its output's tail,
-and the run goes on. Each check prints ``PASS`` or ``FAIL`` with its figures;
-the summary line and the JSON (``bench/results/gpu_check.json``, and
-``--json PATH`` too) are written whatever happened. Exit status 0 when every
+and the run goes on; checks that would start past ``--budget`` seconds, or
+after a SIGTERM or Ctrl-C, are listed as not run. Each check prints ``PASS``
+or ``FAIL`` with its figures; the summary line and the JSON
+(``bench/results/gpu_check.json``, and ``--json PATH`` too) are written
+whatever happened. Exit status 0 when every
 check passed, else 1. This runner imports neither torch nor kvdaemon.
 
 Checks, in order (``gpu_backend_checks``, ``gpu_pointer_checks``,
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -64,6 +67,7 @@ CHECKS: dict[str, str] = {
     "engine": "gpu_engine:gpu_engine_check",
 }
 CHECK_TIMEOUT_S = 300
+BUDGET_S = 1800
 RESULT_PREFIX = "GPU_CHECK_RESULT "  # the child's last line: this prefix and its JSON record
 TAIL_CHARS = 3000
 
@@ -120,21 +124,33 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", type=Path, help="also write the JSON record here")
     parser.add_argument("--only", nargs="+", choices=list(CHECKS), help="run only these checks")
     parser.add_argument("--timeout", type=float, default=CHECK_TIMEOUT_S, help="seconds per check")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run")
     parser.add_argument("--check", choices=list(CHECKS), help=argparse.SUPPRESS)  # the child side
     opts = parser.parse_args(argv)
     if opts.check:
         print(RESULT_PREFIX + json.dumps(run_here(opts.check)), flush=True)
         return 0
     names = opts.only or list(CHECKS)
+    signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.perf_counter()
     records: dict[str, dict[str, Any]] = {}
     try:
         for name in names:
-            records[name] = run_child(name, opts.timeout)
+            left = opts.budget - (time.perf_counter() - t0)
+            if left <= 1:
+                print(f"gpu_check: the {opts.budget:.0f} s budget is spent", flush=True)
+                break
+            records[name] = run_child(name, min(opts.timeout, left))
             print_record(name, records[name])
+    except KeyboardInterrupt:
+        print("gpu_check: stopped", flush=True)
     finally:
         summarize(names, records, time.perf_counter() - t0, opts.json)
     return 0 if all(r["ok"] for r in records.values()) and len(records) == len(names) else 1
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def summarize(names: list[str], records: dict[str, dict[str, Any]], seconds: float, extra: Path | None) -> None:
