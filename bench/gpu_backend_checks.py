@@ -100,6 +100,12 @@ def started(backend: CudaBackend) -> Iterator[CudaBackend]:
                 backend.close()
 
 
+def map_run(backend: CudaBackend, addr: int, pages: list[PhysicalPage]) -> None:
+    """Map ``pages`` at consecutive slots from ``addr``."""
+    for i, page in enumerate(pages):
+        backend.map_page(addr + i * PAGE, page)
+
+
 def spread(name: str, samples_ns: list[int]) -> Figures:
     """Median and p99 of ``samples_ns`` as ``{name}_median_us`` and ``{name}_p99_us``."""
     seconds = [s / 1e9 for s in samples_ns]
@@ -534,8 +540,7 @@ def check_zeroed_pages() -> Figures:
     with started(CudaBackend(num_pages=2 * ZERO_PAGES)) as backend:
         addr = backend.reserve(size)
         first = [backend.create_page(i) for i in range(ZERO_PAGES)]
-        for i, page in enumerate(first):
-            backend.map_page(addr + i * PAGE, page)
+        map_run(backend, addr, first)
         backend.tensor(addr, size, torch.uint8).fill_(0xA5)
         torch.cuda.synchronize()
         backend.unmap(addr, size)
@@ -544,8 +549,7 @@ def check_zeroed_pages() -> Figures:
         t0 = time.perf_counter_ns()
         fresh = [backend.create_page(ZERO_PAGES + i) for i in range(ZERO_PAGES)]
         create_us = (time.perf_counter_ns() - t0) / 1e3 / ZERO_PAGES
-        for i, page in enumerate(fresh):
-            backend.map_page(addr + i * PAGE, page)
+        map_run(backend, addr, fresh)
         nonzero = int(backend.tensor(addr, size, torch.uint8).count_nonzero())
         require(nonzero == 0, f"{nonzero} bytes of fresh pages are not zero")
     return {"pages": ZERO_PAGES, "create_page_us": round(create_us, 1)}
@@ -555,8 +559,9 @@ def check_swap_copy() -> Figures:
     """Warm-sleep copies: device pages to host memory and back, bit-exact, with bandwidth.
 
     Guarantees on PASS: ``copy_out`` then ``copy_in`` into fresh pages restores
-    every byte (what a warm sleep and wake do in the daemon); the bandwidth of
-    both directions is reported against torch's pinned-memory copies.
+    every byte (what a warm sleep and wake do in the daemon, through host
+    memory page-locked with ``pin_host``); the bandwidth of both directions is
+    reported against torch's pinned-memory copies.
     Cost: ``VIEW_PAGES`` pages twice, and the same bytes of host memory.
     """
     import mmap
@@ -569,12 +574,12 @@ def check_swap_copy() -> Figures:
     with started(CudaBackend(num_pages=2 * VIEW_PAGES)) as backend:
         addr = backend.reserve(size)
         pages = [backend.create_page(i) for i in range(VIEW_PAGES)]
-        for i, page in enumerate(pages):
-            backend.map_page(addr + i * PAGE, page)
+        map_run(backend, addr, pages)
         backend.tensor(addr, size, torch.int32).copy_(pattern(size // 4, seed=5))
         torch.cuda.synchronize()
         host = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(host)
+        backend.pin_host(view)  # page-locked, as the daemon's warm copies are
         t0 = time.perf_counter()
         for i, page in enumerate(pages):
             backend.copy_out(page, view[i * PAGE : (i + 1) * PAGE])
@@ -585,8 +590,7 @@ def check_swap_copy() -> Figures:
         for i, page in enumerate(fresh):
             backend.copy_in(page, view[i * PAGE : (i + 1) * PAGE])
         in_s = time.perf_counter() - t0
-        for i, page in enumerate(fresh):
-            backend.map_page(addr + i * PAGE, page)
+        map_run(backend, addr, fresh)
         check_copy(backend.tensor(addr, size, torch.int32), 5, "bytes restored into fresh pages")
         pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         device = torch.empty(size, dtype=torch.uint8, device="cuda")
@@ -596,6 +600,7 @@ def check_swap_copy() -> Figures:
         device.copy_(pinned)
         torch.cuda.synchronize()
         torch_s = time.perf_counter() - t0
+        backend.unpin_host(view)
         view.release()
         host.close()
     return {

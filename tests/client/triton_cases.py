@@ -6,105 +6,59 @@ Run from the repository root::
 
 Triton reads ``TRITON_INTERPRET`` when its language module is first imported,
 so the interpreter needs a process of its own: the test process may have
-imported triton already. Each case launches a kernel on CPU tensors and
-compares it with the torch path (``kvdaemon.client.torch_attention``) on fp32
-copies of the same inputs: ``paged_attention`` over ragged batches mixing
-decode, chunked and full prefill (context 1, partial last blocks, ``-1``
-past each block table's end, strided query, caches and table), and
-``store_kv`` with padded (``-1``) slots and strided K/V, which must write
-exactly the slots the torch path writes.
+imported triton already. Each case launches a kernel on CPU tensors.
+``paged_attention`` runs over the batches of ``tests/client/test_attention.py``
+(ragged mixes of decode, chunked and full prefill, context 1, partial last
+blocks, a sequence with no new tokens, ``-1`` past each table's end, every
+unused cache slot NaN) and is compared with its fp32 SDPA reference per
+sequence, also through strided query, caches and table. ``store_kv`` with
+padded (``-1``) slots and strided K/V must write exactly the slots the torch
+path writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from kvdaemon.client import torch_attention
 
 from tests import child_cases
+from tests.client.test_attention import MIXED, PagedBatch, assert_close, make_batch
 
 NUM_KV_HEADS = 2
-TOLERANCE = {torch.float32: (2e-5, 1e-4), torch.float16: (4e-3, 1e-2)}  # (atol, rtol)
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-
-# (context length, new tokens) per sequence: context 1, partial and exact last blocks,
-# chunked prefill (new tokens after a cached prefix) and full prefill, in one launch.
-MIXED = [(1, 1), (37, 1), (50, 13), (20, 20), (64, 1), (9, 3)]
-DECODE = [(1, 1), (17, 1), (33, 1), (64, 1), (5, 1)]
+DECODE = [(1, 1), (17, 1), (33, 1), (64, 1), (5, 1)]  # decode only: the kernel's other tile shape
 
 
-@dataclass
-class Batch:
-    """A ragged batch over a paged cache with shuffled blocks and -1 past each table's end."""
-
-    query: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-
-
-def make_batch(
-    seqs: list[tuple[int, int]], dtype: torch.dtype, head_dim: int, group: int, block_size: int,
-    *, strided: bool = False, index_dtype: torch.dtype = torch.int32, seed: int = 0,
-) -> Batch:
-    """Random K/V in every block (so a wrong block shows), blocks handed out in random order.
-
-    ``strided``: the query is a head slice of a fused QKV tensor, the caches are the
-    K half of an interleaved K/V buffer and the block table is a transposed view.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-ctx // block_size) for ctx, _ in seqs]
-    num_blocks = sum(blocks_per_seq) + 3
-    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
-    if strided:
-        both = torch.randn(num_blocks, block_size, 2 * NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
-        k_cache, v_cache = both[:, :, :NUM_KV_HEADS], both[:, :, NUM_KV_HEADS:]
-    else:
-        k_cache = torch.randn(shape, generator=gen).to(dtype)
-        v_cache = torch.randn(shape, generator=gen).to(dtype)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.full((len(seqs), max(blocks_per_seq) + 1), -1, dtype=index_dtype)
-    start = 0
-    for s, n in enumerate(blocks_per_seq):
-        table[s, :n] = torch.tensor(order[start:start + n], dtype=index_dtype)
-        start += n
-    if strided:
-        table = table.t().contiguous().t()
-    num_heads = NUM_KV_HEADS * group
-    total_q = sum(q for _, q in seqs)
-    if strided:
-        fused = torch.randn(total_q, num_heads + 2 * NUM_KV_HEADS, head_dim, generator=gen).to(dtype)
-        query = fused[:, :num_heads]
-    else:
-        query = torch.randn(total_q, num_heads, head_dim, generator=gen).to(dtype)
-    starts = [0, *itertools.accumulate(q for _, q in seqs)]
-    return Batch(query, k_cache, v_cache, table, torch.tensor([c for c, _ in seqs], dtype=index_dtype),
-                 torch.tensor(starts, dtype=index_dtype))
+def strided(batch: PagedBatch) -> PagedBatch:
+    """The same batch through strided views: the query a head slice of a fused QKV tensor,
+    the caches the two halves of one interleaved K/V buffer, the block table a transposed copy."""
+    total_q, num_heads, head_dim = batch.query.shape
+    num_kv_heads = batch.k_cache.shape[2]
+    fused = torch.zeros(total_q, num_heads + 2 * num_kv_heads, head_dim, dtype=batch.query.dtype)
+    fused[:, :num_heads] = batch.query
+    both = torch.cat([batch.k_cache, batch.v_cache], dim=2)
+    out = dataclasses.replace(batch, query=fused[:, :num_heads], k_cache=both[:, :, :num_kv_heads],
+                              v_cache=both[:, :, num_kv_heads:],
+                              block_tables=batch.block_tables.t().contiguous().t())
+    for name in ("query", "k_cache", "block_tables"):
+        assert not getattr(out, name).is_contiguous(), name
+    return out
 
 
-def reference(batch: Batch) -> torch.Tensor:
-    """The torch path on fp32 copies of the same inputs."""
-    b = batch
-    scale = b.query.shape[-1] ** -0.5
-    table = torch.where(b.block_tables < 0, 0, b.block_tables)  # the torch path reads whole rows
-    return torch_attention.paged_attention(b.query.float(), b.k_cache.float(), b.v_cache.float(), table,
-                                           b.seq_lens, b.query_start_loc, scale)
-
-
-def check_attention(batch: Batch) -> None:
-    scale = batch.query.shape[-1] ** -0.5
-    out = triton_attention.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
-                                  batch.seq_lens, batch.query_start_loc, scale)
-    assert out.dtype == batch.query.dtype and out.shape == batch.query.shape
-    atol, rtol = TOLERANCE[batch.query.dtype]
-    torch.testing.assert_close(out.float(), reference(batch), atol=atol, rtol=rtol)
+def attention_case(specs: list[tuple[int, int]], dtype: torch.dtype, head_dim: int, group: int,
+                   block_size: int, *, make_strided: bool = False, index_dtype: torch.dtype = torch.int32,
+                   seed: int = 0) -> None:
+    batch = make_batch(specs, block_size=block_size, num_heads=NUM_KV_HEADS * group, num_kv_heads=NUM_KV_HEADS,
+                       head_dim=head_dim, dtype=dtype, index_dtype=index_dtype, seed=seed)
+    if make_strided:
+        batch = strided(batch)
+    assert_close(triton_attention.paged_attention(*batch.args(), head_dim ** -0.5), batch)
 
 
 def store_kv_case(key_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> None:
@@ -124,15 +78,15 @@ def store_kv_case(key_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: in
 
 
 def empty_batch_case() -> None:
-    batch = make_batch([(4, 1)], torch.float32, 64, 1, 16)
+    batch = make_batch([(4, 1)], num_kv_heads=NUM_KV_HEADS, head_dim=64)
     out = triton_attention.paged_attention(batch.query[:0], batch.k_cache, batch.v_cache,
                                            batch.block_tables[:0], batch.seq_lens[:0],
                                            batch.query_start_loc[:1], 0.125)
-    assert out.shape == (0, NUM_KV_HEADS, 64)
+    assert out.shape == (0, batch.query.shape[1], 64)
     cache = batch.k_cache.clone()
     empty = torch.empty(0, NUM_KV_HEADS, 64)
     triton_attention.store_kv(empty, empty, cache, cache, torch.empty(0, dtype=torch.int32))
-    assert torch.equal(cache, batch.k_cache)
+    assert torch.equal(cache.nan_to_num(7.0), batch.k_cache.nan_to_num(7.0))
 
 
 BF16_REASON = ("the Triton interpreter multiplies bf16 dot inputs as raw integers and truncates "
@@ -143,14 +97,14 @@ def _cases() -> dict[str, Callable[[], None]]:
     cases: dict[str, Callable[[], None]] = {}
     for (name, dtype), head_dim, group, block in itertools.product(DTYPES.items(), (64, 80, 128), (1, 4, 8), (16, 32)):
         cases[f"mixed-{name}-d{head_dim}-gqa{group}-b{block}"] = functools.partial(
-            check_attention_of, MIXED, dtype, head_dim, group, block)
+            attention_case, MIXED, dtype, head_dim, group, block)
         SKIPPED[f"mixed-bfloat16-d{head_dim}-gqa{group}-b{block}"] = BF16_REASON
     for (name, dtype), group, block in itertools.product(DTYPES.items(), (1, 8), (16, 32)):
         cases[f"decode-{name}-d128-gqa{group}-b{block}"] = functools.partial(
-            check_attention_of, DECODE, dtype, 128, group, block, seed=1)
+            attention_case, DECODE, dtype, 128, group, block, seed=1)
     for (name, dtype), index in itertools.product(DTYPES.items(), ("int32", "int64")):
         cases[f"strided-{name}-{index}"] = functools.partial(
-            check_attention_of, MIXED, dtype, 80, 4, 16, strided=True, index_dtype=getattr(torch, index), seed=2)
+            attention_case, MIXED, dtype, 80, 4, 16, make_strided=True, index_dtype=getattr(torch, index), seed=2)
     for (key, cache), head_dim in itertools.product(
         [("float32", "float32"), ("float16", "float16"), ("float32", "float16")], (64, 80, 128)
     ):
@@ -158,15 +112,6 @@ def _cases() -> dict[str, Callable[[], None]]:
             store_kv_case, DTYPES[key], DTYPES[cache], head_dim)
     cases["empty-batches"] = empty_batch_case
     return cases
-
-
-def check_attention_of(seqs: list[tuple[int, int]], dtype: torch.dtype, head_dim: int, group: int,
-                       block_size: int, **kwargs: object) -> None:
-    batch = make_batch(seqs, dtype, head_dim, group, block_size, **kwargs)  # type: ignore[arg-type]
-    if kwargs.get("strided"):
-        assert not batch.query.is_contiguous() and not batch.k_cache.is_contiguous()
-        assert not batch.block_tables.is_contiguous()
-    check_attention(batch)
 
 
 SKIPPED: dict[str, str] = {}  # the matrix's cases this child cannot judge, with the reason
