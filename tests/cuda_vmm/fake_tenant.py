@@ -11,15 +11,15 @@ stdin, answering each with one JSON line on stdout:
 - ``{"cmd": "alloc", "n": N}``: allocates N blocks, counts those holding any
   non-zero byte (fresh pages must read zero), then fills block ``b`` of segment
   ``s`` with ``tag * 100000 + 2 * b + s``. Answers ``blocks`` and ``num_nonzero``,
-  or ``error`` (the exception's class) if the pool refused.
+  or ``error`` (the exception) if the pool refused.
 - ``{"cmd": "free", "n": N}``: zeroes, then frees, the N blocks allocated last
   (all if N < 0); so a block that reads non-zero at ``alloc`` holds bytes this
   tenant never wrote.
 - ``{"cmd": "forget"}``: drops the blocks it holds from its books (after a cold
   sleep took them), without freeing them.
 - ``{"cmd": "verify"}``: checks the pattern of every held block: ``ok``, ``num_blocks``.
-- ``{"cmd": "info"}``: ``mapped_bytes``, ``used_bytes``, the caches' ``data_ptrs``
-  and ``devices``.
+- ``{"cmd": "info"}``: ``mapped_bytes``, ``used_bytes``, ``sleep_mode`` (``None``
+  when awake), the caches' ``data_ptrs`` and ``devices``.
 - ``{"cmd": "pointers"}``: asks the driver about every cache's ``data_ptr`` as
   Triton's launcher does (``CudaBackend.device_pointer``): ``failed`` lists
   the segments whose pointer is not mapped.
@@ -41,6 +41,7 @@ from kvdaemon.client import KVClient, KVPool, KVSpec
 from kvdaemon.errors import KVDaemonError
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
+GROW_WAIT_S = 30.0  # a grow waits this long for other tenants' pages (slow machines: no timing in tests)
 
 
 def caches(pool: KVPool) -> list[torch.Tensor]:
@@ -66,7 +67,7 @@ class Tenant:
         try:
             fresh = self.pool.alloc(n)
         except KVDaemonError as exc:
-            return {"error": type(exc).__name__}
+            return {"error": f"{type(exc).__name__}: {exc}"}
         index = torch.tensor(fresh)
         num_nonzero = 0
         for segment, cache in enumerate(caches(self.pool)):
@@ -103,6 +104,7 @@ class Tenant:
     def info(self) -> dict[str, Any]:
         return {
             "mapped_bytes": self.pool.mapped_bytes, "used_bytes": self.pool.used_bytes,
+            "sleep_mode": self.pool.sleep_mode,
             "data_ptrs": [c.data_ptr() for c in caches(self.pool)],
             "devices": [str(c.device) for c in caches(self.pool)],
         }
@@ -126,7 +128,8 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=1)
     opts = parser.parse_args()
     client = KVClient(opts.dir)
-    pool = client.register(opts.name, SPEC, num_spare_pages=opts.spare, num_prefetch_pages=opts.prefetch)
+    pool = client.register(opts.name, SPEC, num_spare_pages=opts.spare, num_prefetch_pages=opts.prefetch,
+                           grow_wait_s=GROW_WAIT_S)
     tenant = Tenant(pool, opts.tag)
     print(json.dumps({"event": "ready", "num_blocks": pool.num_blocks,
                       "blocks_per_page": pool.blocks_per_page}), flush=True)

@@ -194,6 +194,7 @@ def test_two_tenants_grow_reclaim_and_sleep_warm_and_cold(system: System) -> Non
     a.ask("alloc", n=BLOCKS_PER_LP)
     system.client.sleep("a", mode="cold")
     system.client.wake("a")
+    wait_for(lambda: a.ask("info")["sleep_mode"] is None, 30, "a's pool did not wake")
     a.ask("forget")
     assert a.ask("alloc", n=BLOCKS_PER_LP)["num_nonzero"] == 0
     system.check_accounting()
@@ -219,7 +220,7 @@ def test_a_killed_tenant_and_a_restarted_daemon_lose_nothing(system: System) -> 
     b_mapped = b.ask("info")["mapped_bytes"]
 
     os.kill(a.proc.pid, signal.SIGKILL)
-    wait_for(lambda: "a" not in system.tenants(), 10, "a's lease was not ended")
+    wait_for(lambda: "a" not in system.tenants(), 30, "a's lease was not ended")
     assert system.check_accounting()["free_bytes"] == CAPACITY - b_mapped
     assert b.ask("verify")["ok"]
 
