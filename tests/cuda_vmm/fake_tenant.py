@@ -8,7 +8,8 @@ It registers ``NAME`` with the daemon at ``DIR`` through ``KVClient.register``
 (one layer, fp32, 256 blocks per 2 MiB page) and serves JSON-line commands on
 stdin, answering each with one JSON line on stdout:
 
-- ``{"cmd": "alloc", "n": N}``: allocates N blocks, counts those holding any
+- ``{"cmd": "alloc", "n": N}``: allocates N blocks (retrying a refusal for up to
+  a minute, while other tenants give pages back), counts those holding any
   non-zero byte (fresh pages must read zero), then fills block ``b`` of segment
   ``s`` with ``tag * 100000 + 2 * b + s``. Answers ``blocks`` and ``num_nonzero``,
   or ``error`` (the exception) if the pool refused.
@@ -33,15 +34,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 import torch
 
 from kvdaemon.client import KVClient, KVPool, KVSpec
-from kvdaemon.errors import KVDaemonError
+from kvdaemon.errors import KVDaemonError, PoolExhausted
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32")
-GROW_WAIT_S = 30.0  # a grow waits this long for other tenants' pages (slow machines: no timing in tests)
+ALLOC_DEADLINE_S = 60.0  # refused allocs are retried until then: other tenants may be slow to give pages back
 
 
 def caches(pool: KVPool) -> list[torch.Tensor]:
@@ -64,10 +66,16 @@ class Tenant:
         self.blocks: list[int] = []
 
     def alloc(self, n: int) -> dict[str, Any]:
-        try:
-            fresh = self.pool.alloc(n)
-        except KVDaemonError as exc:
-            return {"error": f"{type(exc).__name__}: {exc}"}
+        deadline = time.monotonic() + ALLOC_DEADLINE_S
+        while True:
+            try:
+                fresh = self.pool.alloc(n)
+                break
+            except PoolExhausted as exc:
+                if time.monotonic() > deadline:
+                    return {"error": f"{type(exc).__name__}: {exc}"}
+            except KVDaemonError as exc:
+                return {"error": f"{type(exc).__name__}: {exc}"}
         index = torch.tensor(fresh)
         num_nonzero = 0
         for segment, cache in enumerate(caches(self.pool)):
@@ -128,8 +136,7 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=1)
     opts = parser.parse_args()
     client = KVClient(opts.dir)
-    pool = client.register(opts.name, SPEC, num_spare_pages=opts.spare, num_prefetch_pages=opts.prefetch,
-                           grow_wait_s=GROW_WAIT_S)
+    pool = client.register(opts.name, SPEC, num_spare_pages=opts.spare, num_prefetch_pages=opts.prefetch)
     tenant = Tenant(pool, opts.tag)
     print(json.dumps({"event": "ready", "num_blocks": pool.num_blocks,
                       "blocks_per_page": pool.blocks_per_page}), flush=True)

@@ -242,7 +242,11 @@ def test_a_killed_tenant_and_a_restarted_daemon_lose_nothing(system: System) -> 
 
 def test_kernel_pointers_stay_mapped_when_every_other_page_is_returned(system: System) -> None:
     """Triton's launcher asks ``cuPointerGetAttribute`` about every pointer argument; a cache's
-    ``data_ptr`` is its segment's logical page 0, so that page must stay mapped while the pool lives."""
+    ``data_ptr`` is its segment's logical page 0, so that page must stay mapped while the pool lives.
+
+    Passes once ``KVPool`` keeps logical page 0 of every segment mapped for its whole life
+    (issue #11, risk a: the pool side of the fix); fails before that.
+    """
     system.start_daemon()
     t = system.tenant("t", tag=3, spare=0)
     t.ask("alloc", n=3 * BLOCKS_PER_LP)
