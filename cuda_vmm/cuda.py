@@ -306,7 +306,8 @@ class CudaBackend:
             self._book.unmark_mapped(slot)
 
     def tensor(self, addr: int, size_bytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """A view of ``dtype`` over the range; no driver call, so the pages may be mapped later."""
+        """A view of ``dtype`` over the range. Nothing asks the driver about the pointer, so the
+        pages may be mapped later (see :mod:`kvdaemon.cuda_vmm.device_view`)."""
         import torch
 
         self._book.check_view(addr, size_bytes)
