@@ -36,10 +36,10 @@ note() { echo "gpu_run: $*" | tee -a "$OUT/summary.txt"; }
 : >"$OUT/summary.txt"
 
 # 1. Wheels the image lacks (pyzmq; setuptools >= 77 for the build), into a folder of their own.
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$SITE" "$WHEELS"/*.whl >>"$OUT/install.log" 2>&1 || { note "installing $WHEELS failed"; exit 2; }
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 # 2. The project itself, editable, without network or build isolation.
 "$PYTHON" - <<'EOF' >>"$OUT/install.log" 2>&1 || { note "setuptools >= 77 is needed (carry its wheel)"; exit 2; }
@@ -48,7 +48,10 @@ major = int(setuptools.__version__.split(".")[0])
 print("setuptools", setuptools.__version__)
 raise SystemExit(0 if major >= 77 else 1)
 EOF
+# Editable into the interpreter's environment; where that is read-only, a plain copy into $SITE.
 "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 \
+    || "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . \
+        >>"$OUT/install.log" 2>&1 \
     || { note "installing the project failed (see install.log)"; exit 2; }
 "$PYTHON" -c "import zmq, kvdaemon.client, kvdaemon.cuda_vmm; print('imports ok, pyzmq', zmq.__version__)" \
     >>"$OUT/install.log" 2>&1 || note "kvdaemon.client does not import (see install.log): daemon checks will fail"
