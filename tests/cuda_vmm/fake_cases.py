@@ -6,9 +6,9 @@ Run from the repository root with the fake driver's environment::
 
 Each case is a function that raises on failure; ``tests.child_cases`` runs
 them and reports each (a ``crash_*`` case runs alone and must kill the
-process). Two groups: ``driver_*`` cases
-hold the fake driver to the rules of the real one (raw cuda-bindings calls);
-``backend_*`` cases run ``CudaBackend`` on it, with CPU views of its pages.
+process). Two groups: ``driver_*`` cases hold the fake driver to the rules of
+the real one (raw cuda-bindings calls); ``backend_*`` cases run
+``CudaBackend`` on it, with CPU views of its pages.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from cuda.bindings import driver as drv
 
@@ -282,7 +283,7 @@ def backend_page_copies_round_trip_through_pinned_buffers() -> None:
     copies = [c for c in driver_log() if c.name.startswith("cuMemcpy")]
     assert [c.name for c in copies] == ["cuMemcpyDtoH", "cuMemcpyHtoD"]
     assert all("pinned=1" in c.detail and c.result == 0 for c in copies)
-    with _raises(BackendError, "HOST_MEMORY_NOT_REGISTERED"):
+    with pytest.raises(BackendError, match="HOST_MEMORY_NOT_REGISTERED"):
         backend.unpin_host(memoryview(host))
     backend.close()
 
@@ -313,11 +314,11 @@ def backend_calls_work_from_any_thread() -> None:
 def backend_device_pointer_is_the_launchers_check() -> None:
     backend = started()
     addr = backend.reserve(2 * PAGE)
-    with _raises(BackendError, "CUDA_ERROR_INVALID_VALUE"):
+    with pytest.raises(BackendError, match="CUDA_ERROR_INVALID_VALUE"):
         backend.device_pointer(addr)
     backend.map_page(addr, backend.create_page(0))
     assert backend.device_pointer(addr) == addr
-    with _raises(BackendError, "CUDA_ERROR_INVALID_VALUE"):
+    with pytest.raises(BackendError, match="CUDA_ERROR_INVALID_VALUE"):
         backend.device_pointer(addr + PAGE)
     backend.close()
 
@@ -335,21 +336,6 @@ def backend_close_releases_every_handle() -> None:
     assert created and created <= released, (created, released)
     frees = [c for c in mine if c.name == "cuMemAddressFree"]
     assert frees and all(c.result == 0 for c in frees)
-
-
-class _raises:
-    """``with _raises(Error, "text")``: the body must raise ``Error`` whose message holds ``text``."""
-
-    def __init__(self, kind: type[BaseException], text: str) -> None:
-        self.kind, self.text = kind, text
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, exc: Any, _tb: Any) -> bool:
-        assert kind is not None, f"{self.kind.__name__} not raised"
-        assert issubclass(kind, self.kind) and self.text in str(exc), f"{kind.__name__}: {exc}"
-        return True
 
 
 def mark_log() -> None:

@@ -26,7 +26,11 @@ stdin, answering each with one JSON line on stdout:
   the segments whose pointer is not mapped.
 - ``{"cmd": "close"}`` (or EOF): closes the pool and the client; ``closed``.
 
-Only the public client API is used (``KVClient``, ``KVSpec``, ``KVPool``).
+Like an engine between steps, the tenant serves one command at a time under
+a lock that the pool's ``quiesce_hook`` takes and its ``resume_hook`` gives
+back: no command touches the KV while the pool sleeps or moves its pages to
+a restarted daemon. Only the public client API is used (``KVClient``,
+``KVSpec``, ``KVPool`` and its hooks).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from typing import Any
 
@@ -138,6 +143,8 @@ def main() -> None:
     client = KVClient(opts.dir)
     pool = client.register(opts.name, SPEC, num_spare_pages=opts.spare, num_prefetch_pages=opts.prefetch)
     tenant = Tenant(pool, opts.tag)
+    busy = threading.Lock()  # held while a command runs, and from quiesce to resume
+    pool.quiesce_hook, pool.resume_hook = busy.acquire, busy.release
     print(json.dumps({"event": "ready", "num_blocks": pool.num_blocks,
                       "blocks_per_page": pool.blocks_per_page}), flush=True)
     handlers = {"alloc": lambda c: tenant.alloc(c["n"]), "free": lambda c: tenant.free(c["n"]),
@@ -147,7 +154,9 @@ def main() -> None:
         command = json.loads(line)
         if command["cmd"] == "close":
             break
-        print(json.dumps(handlers[command["cmd"]](command)), flush=True)
+        with busy:
+            answer = handlers[command["cmd"]](command)
+        print(json.dumps(answer), flush=True)
     pool.close()
     client.close()
     print(json.dumps({"event": "closed"}), flush=True)
