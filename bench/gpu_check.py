@@ -1,580 +1,173 @@
 """GPU checks: the one script a session with an NVIDIA GPU runs (DESIGN.md section 12).
 
-Run from the repository root, with the project installed (``pip install -e '.[cuda]'``)::
+Run from the repository root, with the project installed (``bench/gpu_run.sh``
+does it on a bare machine)::
 
-    python bench/gpu_check.py
+    python bench/gpu_check.py [--json PATH] [--only NAME ...] [--timeout S] [--budget S]
 
-Each check prints ``PASS`` or ``FAIL`` with its figures; a summary line follows.
-The figures go to ``bench/results/gpu_check.json``. The exit status is 0 when
-every check passed and 1 otherwise, also where no CUDA GPU or driver is usable
-(then only ``cuda_start`` runs, and fails with the reason).
+Each check runs in a child process of its own (``--check NAME``, internal), so
+whatever one does (an exception, a sticky CUDA fault, a crash, a hang past
+its time limit) is that check's FAIL, with its traceback or its output's tail,
+and the run goes on; checks that would start past ``--budget`` seconds, or
+after a SIGTERM or Ctrl-C, are listed as not run. Each check prints ``PASS``
+or ``FAIL`` with its figures; the summary line and the JSON
+(``bench/results/gpu_check.json``, and ``--json PATH`` too) are written
+whatever happened. Exit status 0 when every
+check passed, else 1. This runner imports neither torch nor kvdaemon.
 
-Checks:
+Checks, in order (``gpu_backend_checks``, ``gpu_pointer_checks``,
+``gpu_attention``, ``gpu_engine``):
 
-- ``cuda_start``: the cuda backend starts and torch sees the GPU.
-- ``cross_process``: this process creates and exports a page; a child process
-  gets the fd over an AF_UNIX socket (SCM_RIGHTS), imports and maps it and
-  writes through a torch view; this process maps the same page in its own range
-  and reads those bytes, then writes bytes the child reads back.
-- ``map_latency``: per-page cost of the backend's ``map_page`` (cuMemMap +
-  cuMemSetAccess) and ``unmap`` (cuCtxSynchronize + cuMemUnmap), next to the raw
-  driver calls and to ``torch.empty`` of one page, all in this process.
-- ``torch_view``: bytes written through one torch view read back through a
-  second view at the same address; copy bandwidth into a view against a plain
-  torch tensor.
-- ``view_before_map``: a view made over a reserved range before any page is
-  mapped behind it (how the client's KV tensors are made) works once pages are.
-- ``attention``: the Triton kernels against the torch path, and decode bandwidth
-  (``gpu_attention.py``).
-- ``swap_copy``: page copies to and from host memory (warm sleep), bandwidth.
-- ``engine``: the transformers ``Engine`` over CUDA daemon KV equals
-  ``generate``; decode tokens/s against local KV (``gpu_engine.py``).
+- ``cuda_start``: the backend starts; device, torch, triton, cuda-bindings.
+- ``cross_process``: a page crosses processes as an fd; both see each other's writes.
+- ``map_latency``: map/unmap per page against the raw driver and ``torch.empty``.
+- ``torch_view``: views at one address agree; copy bandwidth into a view.
+- ``view_before_map``: views over unmapped ranges work once mapped (this torch).
+- ``zeroed_pages``: created pages read zero after the memory held other bytes.
+- ``kernel_pointers``: Triton kernels launch over caches with only page 0 mapped.
+- ``swap_copy``: page copies to and from pinned host memory, bandwidth.
+- ``attention``: Triton against the torch path (fp32/fp16/bf16), decode bandwidth.
+- ``pool_pointers``: a pool that returned every page it could still launches kernels.
+- ``engine``: the transformers ``Engine`` over cuda daemon KV equals ``generate``.
 
-Cost: under a minute on one GPU (the child's torch start-up dominates), and at
-most 512 MiB of device memory at a time.
+Cost: about two minutes on an H200 (torch start-up per child dominates), at
+most about 4 GiB of device memory at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
+import argparse
+import importlib
 import json
-import os
-import socket
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from gpu_attention import gpu_attention_check  # noqa: E402
-from gpu_engine import gpu_engine_check  # noqa: E402
-from report import median_us, percentile_us, save  # noqa: E402
-
-try:
-    import torch
-
-    from kvdaemon.cuda_vmm import DEFAULT_PAGE_SIZE_BYTES, CudaBackend, PhysicalPage
-    from kvdaemon.cuda_vmm.cuda import load_driver
-    from kvdaemon.errors import BackendError
-except ImportError as _exc:  # not installed: say how, rather than a traceback
-    sys.exit(f"FAIL  gpu_check cannot start: {_exc}; run `pip install -e '.[cuda]'` first")
-
-Figures = dict[str, float | int | str | bool]
-Message = dict[str, Any]  # one JSON record on the cross_process socket
-
-PAGE = DEFAULT_PAGE_SIZE_BYTES
-WORDS = PAGE // 4
-LATENCY_PAGES = 256  # 512 MiB of 2 MiB pages
-VIEW_PAGES = 64  # 128 MiB for the bandwidth figure
-COPY_REPEATS = 20
-CHILD_TIMEOUT_S = 120.0
-CHILD_FLAG = "--cross-process-child"  # internal: the child side of cross_process
-CHILD_SEED = 2
-PARENT_SEED = 5
-
-# What a failing check raises: the backend's typed error, a check's own
-# assertion, a socket/child failure (OSError, SubprocessError), or a CUDA error
-# surfaced by torch (RuntimeError, which torch.AcceleratorError derives from).
-CHECK_FAILURES = (
-    BackendError, AssertionError, ImportError, OSError, RuntimeError, SystemExit, subprocess.SubprocessError,
-)
-
-
-# --- helpers ---------------------------------------------------------------------
-
-
-def require(condition: bool, message: str) -> None:
-    """Raise AssertionError(message) unless ``condition``; unlike ``assert``, kept under -O."""
-    if not condition:
-        raise AssertionError(message)
-
-
-def child_error(reply: Message) -> str:
-    """The child's error text in ``reply``, or an empty string when it reported none."""
-    return f"child: {reply['error']}" if "error" in reply else ""
-
-
-def pattern(num_words: int, seed: int) -> torch.Tensor:
-    """A deterministic int32 pattern on the GPU; distinct seeds differ in every word."""
-    return torch.arange(num_words, dtype=torch.int32, device="cuda") * 3 + seed
-
-
-@contextlib.contextmanager
-def started(backend: CudaBackend) -> Iterator[CudaBackend]:
-    """Start ``backend`` and close it on the way out.
-
-    When the body failed, a failure to close (e.g. after a sticky CUDA fault)
-    is dropped so that the body's error is the one reported.
-    """
-    backend.start()
-    body_done = False
-    try:
-        yield backend
-        body_done = True
-    finally:
-        if body_done:
-            backend.close()
-        else:
-            with contextlib.suppress(BackendError):
-                backend.close()
-
-
-def spread(name: str, samples_ns: list[int]) -> Figures:
-    """Median and p99 of ``samples_ns`` as ``{name}_median_us`` and ``{name}_p99_us``."""
-    seconds = [s / 1e9 for s in samples_ns]
-    return {
-        f"{name}_median_us": round(median_us(seconds), 2),
-        f"{name}_p99_us": round(percentile_us(seconds, 99), 2),
-    }
-
-
-def send_message(sock: socket.socket, message: Message, fds: Sequence[int] = ()) -> None:
-    """Send one JSON message (and ``fds``) as one SOCK_SEQPACKET record."""
-    data = json.dumps(message).encode()
-    sent = socket.send_fds(sock, [data], list(fds)) if fds else sock.send(data)
-    require(sent == len(data), f"short send: {sent} of {len(data)} bytes")
-
-
-def receive_message(sock: socket.socket) -> tuple[Message, list[int]]:
-    """Receive one JSON message and any fds it carries. Raises AssertionError if the peer left."""
-    data, fds, _flags, _addr = socket.recv_fds(sock, 65536, 4)
-    require(bool(data), "the peer closed the socket before answering")
-    return json.loads(data), fds
-
-
-def check_copy(view: torch.Tensor, seed: int, what: str) -> None:
-    """Assert ``view`` (int32) holds ``pattern(seed)``; name the first differing word if not."""
-    expected = pattern(view.numel(), seed)
-    if not torch.equal(view, expected):
-        first = int((view != expected).nonzero()[0])
-        raise AssertionError(
-            f"{what}: word {first} is {int(view[first])}, expected {int(expected[first])}"
-        )
-
-
-# --- checks ------------------------------------------------------------------------
-
-
-def check_cuda_start() -> Figures:
-    """The cuda backend starts on device 0 and torch has CUDA.
-
-    Guarantees on PASS: the driver loads, device 0 exists, the page size is a
-    multiple of its granularity, and torch can make CUDA tensors.
-    Cost: one cuInit and primary-context retain; milliseconds.
-    """
-    with started(CudaBackend()) as backend:
-        info = backend.mem_info()
-        figures: Figures = {
-            "granularity_bytes": backend.granularity_bytes,
-            "page_size_bytes": backend.page_size_bytes,
-            "device_total_bytes": info.total_bytes,
-            "device_free_bytes": info.free_bytes,
-        }
-    require(torch.cuda.is_available(), f"torch {torch.__version__} has no CUDA (a CPU-only build?)")
-    figures["device_name"] = torch.cuda.get_device_name(0)
-    figures["torch"] = torch.__version__
-    return figures
-
-
-def check_cross_process() -> Figures:
-    """A page created here is written by a child through its own mapping, and read here.
-
-    Guarantees on PASS: an exported page fd crossed processes over SCM_RIGHTS;
-    the child's import + map + torch writes land in the physical page this
-    process maps in its own range, and this process's writes reach the child.
-    Cost: one child Python process (torch and CUDA start-up: seconds) and one
-    page of device memory.
-    """
-    parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    parent_sock.settimeout(CHILD_TIMEOUT_S)
-    child: subprocess.Popen[bytes] | None = None
-    try:
-        with started(CudaBackend(num_pages=1)) as backend:
-            page = backend.create_page(0)
-            t0 = time.perf_counter_ns()
-            script = str(Path(__file__).resolve())
-            child = subprocess.Popen(
-                [sys.executable, script, CHILD_FLAG, str(child_sock.fileno())],
-                pass_fds=(child_sock.fileno(),),
-            )
-            child_sock.close()
-            fd = backend.export_page(page)
-            try:
-                send_message(parent_sock, {"page_id": page.page_id, "seed": CHILD_SEED}, [fd])
-            finally:
-                os.close(fd)  # the child holds its own copy now
-            written, _ = receive_message(parent_sock)
-            require(not child_error(written), child_error(written))
-            child_ready_s = (time.perf_counter_ns() - t0) / 1e9
-
-            addr = backend.reserve(PAGE)
-            backend.map_page(addr, page)
-            view = backend.tensor(addr, PAGE, torch.int32)
-            check_copy(view, CHILD_SEED, "this process reading the child's bytes")
-            view.copy_(pattern(WORDS, PARENT_SEED))
-            torch.cuda.synchronize()
-            send_message(parent_sock, {"seed": PARENT_SEED})
-            read, _ = receive_message(parent_sock)
-            require(not child_error(read), child_error(read))
-            del view
-        status = child.wait(timeout=CHILD_TIMEOUT_S)
-        require(status == 0, f"child exited with status {status}")
-    finally:
-        parent_sock.close()
-        child_sock.close()
-        if child is not None and child.poll() is None:
-            child.kill()
-            child.wait()
-    return {
-        "bytes_checked_each_way": PAGE,
-        "child_start_to_written_s": round(child_ready_s, 2),
-        "child_import_map_us": written["import_map_us"],
-    }
-
-
-def run_cross_process_child(sock_fd: int) -> int:
-    """The child side of ``check_cross_process``; returns the process exit status.
-
-    Receives the page fd, imports and maps it, writes ``pattern(seed)``, then
-    checks the pattern the parent writes back. Every failure is sent to the
-    parent as ``{"error": ...}`` before exiting with status 1.
-    """
-    sock = socket.socket(fileno=sock_fd)
-    sock.settimeout(CHILD_TIMEOUT_S)
-    try:
-        with started(CudaBackend()) as backend:
-            request, fds = receive_message(sock)
-            require(len(fds) == 1, f"expected one page fd, got {len(fds)}")
-            t0 = time.perf_counter_ns()
-            page = backend.import_page(fds[0], int(request["page_id"]))
-            addr = backend.reserve(PAGE)
-            backend.map_page(addr, page)
-            import_map_us = (time.perf_counter_ns() - t0) / 1e3
-            view = backend.tensor(addr, PAGE, torch.int32)
-            view.copy_(pattern(WORDS, int(request["seed"])))
-            torch.cuda.synchronize()
-            send_message(sock, {"import_map_us": round(import_map_us, 1)})
-            request, _ = receive_message(sock)
-            check_copy(view, int(request["seed"]), "the child reading this process's bytes")
-            send_message(sock, {"ok": True})
-            del view
-    except CHECK_FAILURES as exc:
-        with contextlib.suppress(OSError):
-            send_message(sock, {"error": f"{type(exc).__name__}: {exc}"})
-        return 1
-    finally:
-        sock.close()
-    return 0
-
-
-def check_map_latency() -> Figures:
-    """Per-page map and unmap cost of the backend, the raw driver, and ``torch.empty``.
-
-    Guarantees on PASS: ``LATENCY_PAGES`` pages map one by one, are readable and
-    writable through one view over the whole range, and unmap one by one and
-    all at once. Figures are per call, in microseconds (median and p99):
-    ``create`` (cuMemCreate), ``map`` (backend: cuMemMap + cuMemSetAccess +
-    bookkeeping), ``unmap`` (backend: cuCtxSynchronize + cuMemUnmap),
-    ``raw_map``/``raw_set_access``/``raw_unmap`` (the bare driver calls on
-    another range), and ``torch_empty`` of one page (the caching allocator, from
-    an emptied cache; an engine's usual allocation, not a driver floor).
-    Cost: a few seconds and ``LATENCY_PAGES`` pages of device memory.
-    """
-    figures: Figures = {"pages": LATENCY_PAGES, "page_size_bytes": PAGE}
-    with started(CudaBackend(num_pages=LATENCY_PAGES)) as backend:
-        pages: list[PhysicalPage] = []
-        create_ns: list[int] = []
-        for i in range(LATENCY_PAGES):
-            t0 = time.perf_counter_ns()
-            pages.append(backend.create_page(i))
-            create_ns.append(time.perf_counter_ns() - t0)
-        addr = backend.reserve(LATENCY_PAGES * PAGE)
-        slots = [addr + i * PAGE for i in range(LATENCY_PAGES)]
-        map_ns: list[int] = []
-        for slot, page in zip(slots, pages, strict=True):
-            t0 = time.perf_counter_ns()
-            backend.map_page(slot, page)
-            map_ns.append(time.perf_counter_ns() - t0)
-        unmap_ns: list[int] = []
-        for slot in slots:
-            t0 = time.perf_counter_ns()
-            backend.unmap(slot, PAGE)
-            unmap_ns.append(time.perf_counter_ns() - t0)
-
-        for slot, page in zip(slots, pages, strict=True):
-            backend.map_page(slot, page)
-        view = backend.tensor(addr, LATENCY_PAGES * PAGE, torch.int32)
-        view.fill_(7)
-        torch.cuda.synchronize()
-        require(bool((view == 7).all()), "a mapped page did not keep what was written")
-        del view
-        t0 = time.perf_counter_ns()
-        backend.unmap(addr, LATENCY_PAGES * PAGE)
-        range_unmap_ns = time.perf_counter_ns() - t0
-
-        figures |= spread("create", create_ns)
-        figures |= spread("map", map_ns)
-        figures |= spread("unmap", unmap_ns)
-        figures["unmap_whole_range_us_per_page"] = round(range_unmap_ns / 1e3 / LATENCY_PAGES, 2)
-        figures |= raw_driver_costs(pages, backend.device)
-    figures |= spread("torch_empty", torch_empty_costs())
-    figures["map_over_raw_map_set_access"] = round(
-        float(figures["map_median_us"])
-        / (float(figures["raw_map_median_us"]) + float(figures["raw_set_access_median_us"])),
-        2,
-    )
-    return figures
-
-
-def raw_driver_costs(pages: list[PhysicalPage], device: int) -> Figures:
-    """The bare cuMemMap, cuMemSetAccess and cuMemUnmap per page, on a range of its own.
-
-    Needs the primary context current on this thread (a started CudaBackend
-    leaves it so). Cost: three driver calls per page, plus one reserve and free.
-    """
-    drv = load_driver()
-
-    def ok(result: tuple[object, ...], what: str) -> object:
-        if result[0] != drv.CUresult.CUDA_SUCCESS:
-            raise BackendError(f"{what} failed", str(result[0]))
-        return result[1] if len(result) > 1 else None
-
-    access = drv.CUmemAccessDesc()
-    access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    access.location.id = device
-    access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    size = len(pages) * PAGE
-    base = int(ok(drv.cuMemAddressReserve(size, PAGE, 0, 0), "cuMemAddressReserve"))
-    map_ns: list[int] = []
-    access_ns: list[int] = []
-    unmap_ns: list[int] = []
-    try:
-        for i, page in enumerate(pages):
-            ptr = drv.CUdeviceptr(base + i * PAGE)
-            t0 = time.perf_counter_ns()
-            ok(drv.cuMemMap(ptr, PAGE, 0, page.handle, 0), "cuMemMap")
-            t1 = time.perf_counter_ns()
-            map_ns.append(t1 - t0)
-            ok(drv.cuMemSetAccess(ptr, PAGE, [access], 1), "cuMemSetAccess")
-            access_ns.append(time.perf_counter_ns() - t1)
-        for i in range(len(pages)):
-            ptr = drv.CUdeviceptr(base + i * PAGE)
-            t0 = time.perf_counter_ns()
-            ok(drv.cuMemUnmap(ptr, PAGE), "cuMemUnmap")
-            unmap_ns.append(time.perf_counter_ns() - t0)
-    finally:
-        if len(unmap_ns) < len(map_ns):  # failed half-way: leave nothing mapped
-            for i in range(len(unmap_ns), len(map_ns)):
-                drv.cuMemUnmap(drv.CUdeviceptr(base + i * PAGE), PAGE)
-        ok(drv.cuMemAddressFree(drv.CUdeviceptr(base), size), "cuMemAddressFree")
-    return (
-        spread("raw_map", map_ns)
-        | spread("raw_set_access", access_ns)
-        | spread("raw_unmap", unmap_ns)
-    )
-
-
-def torch_empty_costs() -> list[int]:
-    """Nanoseconds per ``torch.empty`` of one page, ``LATENCY_PAGES`` held at once.
-
-    The cache is emptied first, so the first calls reach cudaMalloc and the rest
-    are served from the segments those made. Cost: ``LATENCY_PAGES`` pages of
-    device memory, given back at the end.
-    """
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    held: list[torch.Tensor] = []
-    samples: list[int] = []
-    for _ in range(LATENCY_PAGES):
-        t0 = time.perf_counter_ns()
-        held.append(torch.empty(PAGE, dtype=torch.uint8, device="cuda"))
-        samples.append(time.perf_counter_ns() - t0)
-    del held
-    torch.cuda.empty_cache()
-    return samples
-
-
-def check_torch_view() -> Figures:
-    """Torch reads back through a second view what it wrote through a first one.
-
-    Guarantees on PASS: a view's ``data_ptr`` is the mapped address; a second
-    view at that address, and a view at an offset inside the range, see the
-    bytes written through the first; copy bandwidth into a view is reported
-    against a copy into a plain torch tensor of the same size.
-    Cost: ``VIEW_PAGES`` pages of device memory and ``2 * COPY_REPEATS`` copies.
-    """
-    size = VIEW_PAGES * PAGE
-    with started(CudaBackend(num_pages=VIEW_PAGES)) as backend:
-        addr = backend.reserve(size)
-        for i in range(VIEW_PAGES):
-            backend.map_page(addr + i * PAGE, backend.create_page(i))
-        first = backend.tensor(addr, size, torch.int32)
-        require(first.data_ptr() == addr, f"view at {first.data_ptr():#x}, mapped at {addr:#x}")
-        first.copy_(pattern(size // 4, seed=11))
-        torch.cuda.synchronize()
-        check_copy(backend.tensor(addr, size, torch.int32), 11, "second view at the same address")
-        offset_view = backend.tensor(addr + PAGE, PAGE, torch.int32)
-        require(torch.equal(offset_view, first[WORDS : 2 * WORDS]), "view at an offset differs")
-
-        source = torch.randint(0, 2**31 - 1, (size // 4,), dtype=torch.int32, device="cuda")
-        plain = torch.empty_like(source)
-        view_gbps = copy_bandwidth_gbps(source, first)
-        plain_gbps = copy_bandwidth_gbps(source, plain)
-        require(torch.equal(first, source), "the copy into the view did not land")
-        del first, offset_view
-    return {
-        "bytes_checked": size,
-        "copy_into_view_gbps": round(view_gbps, 1),
-        "copy_into_torch_tensor_gbps": round(plain_gbps, 1),
-        "view_over_torch_bandwidth": round(view_gbps / plain_gbps, 3),
-    }
-
-
-def copy_bandwidth_gbps(source: torch.Tensor, target: torch.Tensor) -> float:
-    """GB/s (read + write) of ``target.copy_(source)``, best of ``COPY_REPEATS`` timed runs."""
-    target.copy_(source)  # warm-up
-    best_ms = float("inf")
-    for _ in range(COPY_REPEATS):
-        begin = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        begin.record()
-        target.copy_(source)
-        end.record()
-        end.synchronize()
-        best_ms = min(best_ms, begin.elapsed_time(end))
-    return 2 * source.numel() * source.element_size() / (best_ms / 1e3) / 1e9
-
-
-def check_view_before_map() -> Figures:
-    """A view made over a reserved, still unmapped range works once pages are mapped.
-
-    Guarantees on PASS: ``backend.tensor`` does not need the memory mapped when
-    the view is made (the client makes its KV tensors before it grows), and
-    writes through that early view reach the pages mapped later.
-    Cost: two pages of device memory.
-    """
-    with started(CudaBackend(num_pages=2)) as backend:
-        addr = backend.reserve(2 * PAGE)
-        early = backend.tensor(addr, 2 * PAGE, torch.int32)
-        require(early.data_ptr() == addr, f"view at {early.data_ptr():#x}, reserved at {addr:#x}")
-        backend.map_page(addr + PAGE, backend.create_page(1))  # the second slot first
-        backend.map_page(addr, backend.create_page(0))
-        early.copy_(pattern(2 * WORDS, seed=3))
-        torch.cuda.synchronize()
-        check_copy(backend.tensor(addr, 2 * PAGE, torch.int32), 3, "a later view")
-        del early
-    return {"bytes_checked": 2 * PAGE}
-
-
-def check_swap_copy() -> Figures:
-    """Warm-sleep copies: device pages to host memory and back, bit-exact, with bandwidth.
-
-    Guarantees on PASS: ``copy_out`` then ``copy_in`` into fresh pages restores
-    every byte (what a warm sleep and wake do in the daemon); the bandwidth of
-    both directions is reported against torch's pinned-memory copies.
-    Cost: ``VIEW_PAGES`` pages twice, and the same bytes of host memory.
-    """
-    import mmap
-
-    size = VIEW_PAGES * PAGE
-    with started(CudaBackend(num_pages=2 * VIEW_PAGES)) as backend:
-        addr = backend.reserve(size)
-        pages = [backend.create_page(i) for i in range(VIEW_PAGES)]
-        for i, page in enumerate(pages):
-            backend.map_page(addr + i * PAGE, page)
-        backend.tensor(addr, size, torch.int32).copy_(pattern(size // 4, seed=5))
-        torch.cuda.synchronize()
-        host = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        view = memoryview(host)
-        t0 = time.perf_counter()
-        for i, page in enumerate(pages):
-            backend.copy_out(page, view[i * PAGE : (i + 1) * PAGE])
-        out_s = time.perf_counter() - t0
-        backend.unmap(addr, size)
-        fresh = [backend.create_page(VIEW_PAGES + i) for i in range(VIEW_PAGES)]
-        t0 = time.perf_counter()
-        for i, page in enumerate(fresh):
-            backend.copy_in(page, view[i * PAGE : (i + 1) * PAGE])
-        in_s = time.perf_counter() - t0
-        for i, page in enumerate(fresh):
-            backend.map_page(addr + i * PAGE, page)
-        check_copy(backend.tensor(addr, size, torch.int32), 5, "bytes restored into fresh pages")
-        pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        device = torch.empty(size, dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        pinned.copy_(device)
-        device.copy_(pinned)
-        torch.cuda.synchronize()
-        torch_s = time.perf_counter() - t0
-        view.release()
-        host.close()
-    return {
-        "bytes": size,
-        "copy_out_gbps": round(size / out_s / 1e9, 2),
-        "copy_in_gbps": round(size / in_s / 1e9, 2),
-        "torch_pinned_round_trip_gbps": round(2 * size / torch_s / 1e9, 2),
-    }
-
-
-CHECKS: list[tuple[str, Callable[[], Figures]]] = [
-    ("cuda_start", check_cuda_start),
-    ("cross_process", check_cross_process),
-    ("map_latency", check_map_latency),
-    ("torch_view", check_torch_view),
-    ("view_before_map", check_view_before_map),
-    ("attention", gpu_attention_check),
-    ("swap_copy", check_swap_copy),
-    ("engine", gpu_engine_check),
-]
-
-
-# --- main --------------------------------------------------------------------------
-
-
-def run_check(name: str, check: Callable[[], Figures]) -> dict[str, object]:
-    """Run one check; print its PASS/FAIL line and figures; return its JSON record."""
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+from report import save  # noqa: E402
+
+CHECKS: dict[str, str] = {
+    "cuda_start": "gpu_backend_checks:check_cuda_start",
+    "cross_process": "gpu_backend_checks:check_cross_process",
+    "map_latency": "gpu_backend_checks:check_map_latency",
+    "torch_view": "gpu_backend_checks:check_torch_view",
+    "view_before_map": "gpu_backend_checks:check_view_before_map",
+    "zeroed_pages": "gpu_backend_checks:check_zeroed_pages",
+    "kernel_pointers": "gpu_pointer_checks:check_kernel_pointers",
+    "swap_copy": "gpu_backend_checks:check_swap_copy",
+    "attention": "gpu_attention:gpu_attention_check",
+    "pool_pointers": "gpu_pointer_checks:check_pool_pointers",
+    "engine": "gpu_engine:gpu_engine_check",
+}
+CHECK_TIMEOUT_S = 300
+BUDGET_S = 1800
+RESULT_PREFIX = "GPU_CHECK_RESULT "  # the child's last line: this prefix and its JSON record
+TAIL_CHARS = 3000
+
+
+def load(target: str) -> Callable[[], dict[str, Any]]:
+    """The check function named ``module:function`` (a module of this folder)."""
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+def run_here(name: str) -> dict[str, Any]:
+    """Run one check in this process; any failure, whatever it is, becomes its record."""
     t0 = time.perf_counter()
     try:
-        figures = check()
-    except CHECK_FAILURES as exc:
-        seconds = time.perf_counter() - t0
-        message = f"{type(exc).__name__}: {exc}"
-        print(f"FAIL  {name:<16} {seconds:6.2f} s  {message}", flush=True)
-        return {"ok": False, "seconds": round(seconds, 2), "error": message}
-    seconds = time.perf_counter() - t0
-    print(f"PASS  {name:<16} {seconds:6.2f} s", flush=True)
-    for key, value in figures.items():
+        figures = load(CHECKS[name])()
+    except (Exception, SystemExit):  # noqa: BLE001 (a harness boundary: one check's failure is its result)
+        return {"ok": False, "seconds": round(time.perf_counter() - t0, 2), "error": traceback.format_exc()}
+    return {"ok": True, "seconds": round(time.perf_counter() - t0, 2), "figures": figures}
+
+
+def run_child(name: str, timeout_s: float) -> dict[str, Any]:
+    """Run one check in a child process; a crash or a hang is a FAIL with the output's tail."""
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--check", name],
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        output = _text(exc.stdout) + _text(exc.stderr)
+        return {"ok": False, "seconds": round(time.perf_counter() - t0, 2),
+                "error": f"no result within {timeout_s} s\n{output[-TAIL_CHARS:]}"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    return {"ok": False, "seconds": round(time.perf_counter() - t0, 2),
+            "error": f"the check's process exited with {done.returncode} and no result\n"
+                     f"{(done.stdout + done.stderr)[-TAIL_CHARS:]}"}
+
+
+def _text(data: str | bytes | None) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
+def print_record(name: str, record: dict[str, Any]) -> None:
+    verdict = "PASS" if record["ok"] else "FAIL"
+    print(f"{verdict}  {name:<16} {record['seconds']:7.2f} s", flush=True)
+    for key, value in record.get("figures", {}).items():
         print(f"        {key:<36} {value}")
-    return {"ok": True, "seconds": round(seconds, 2), "figures": figures}
+    if not record["ok"]:
+        print("        " + record["error"].rstrip().replace("\n", "\n        "), flush=True)
 
 
-def main() -> int:
-    """Run every check (all but ``cuda_start`` only once it passed); 0 if all passed."""
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="GPU checks of kvdaemon (see the module docstring).")
+    parser.add_argument("--json", type=Path, help="also write the JSON record here")
+    parser.add_argument("--only", nargs="+", choices=list(CHECKS), help="run only these checks")
+    parser.add_argument("--timeout", type=float, default=CHECK_TIMEOUT_S, help="seconds per check")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run")
+    parser.add_argument("--check", choices=list(CHECKS), help=argparse.SUPPRESS)  # the child side
+    opts = parser.parse_args(argv)
+    if opts.check:
+        print(RESULT_PREFIX + json.dumps(run_here(opts.check)), flush=True)
+        return 0
+    names = opts.only or list(CHECKS)
+    signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.perf_counter()
-    records: dict[str, dict[str, object]] = {}
-    for name, check in CHECKS:
-        records[name] = run_check(name, check)
-        if name == "cuda_start" and not records[name]["ok"]:
-            print("        no usable CUDA GPU: the other checks need one and were not run")
-            break
-    failed = [name for name, record in records.items() if not record["ok"]]
-    path = save(
-        "gpu_check",
-        {"passed": len(records) - len(failed), "failed": len(failed), "checks": records},
-    )
-    print(
-        f"SUMMARY  {len(records) - len(failed)} passed, {len(failed)} failed"
-        f"{' (' + ', '.join(failed) + ')' if failed else ''}"
-        f" of {len(CHECKS)} checks in {time.perf_counter() - t0:.1f} s; figures in {path}"
-    )
-    return 1 if failed or len(records) < len(CHECKS) else 0
+    records: dict[str, dict[str, Any]] = {}
+    try:
+        for name in names:
+            left = opts.budget - (time.perf_counter() - t0)
+            if left <= 1:
+                print(f"gpu_check: the {opts.budget:.0f} s budget is spent", flush=True)
+                break
+            records[name] = run_child(name, min(opts.timeout, left))
+            print_record(name, records[name])
+    except KeyboardInterrupt:
+        print("gpu_check: stopped", flush=True)
+    finally:
+        summarize(names, records, time.perf_counter() - t0, opts.json)
+    return 0 if all(r["ok"] for r in records.values()) and len(records) == len(names) else 1
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def summarize(names: list[str], records: dict[str, dict[str, Any]], seconds: float, extra: Path | None) -> None:
+    """Print the summary line and write the JSON (here and to ``extra``), whatever ran."""
+    failed = [n for n, r in records.items() if not r["ok"]]
+    not_run = [n for n in names if n not in records]
+    record = {"passed": len(records) - len(failed), "failed": len(failed), "not_run": not_run,
+              "seconds": round(seconds, 1), "checks": records}
+    path = save("gpu_check", record)
+    if extra is not None:
+        extra.parent.mkdir(parents=True, exist_ok=True)
+        extra.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"SUMMARY  {len(records) - len(failed)} passed, {len(failed)} failed"
+          f"{' (' + ', '.join(failed) + ')' if failed else ''}"
+          f"{', not run: ' + ', '.join(not_run) if not_run else ''}"
+          f" of {len(names)} checks in {seconds:.1f} s; figures in {path}", flush=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == CHILD_FLAG:
-        sys.exit(run_cross_process_child(int(sys.argv[2])))
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -20,13 +20,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from daemon_proc import daemon_process  # noqa: E402
 
 Figures = dict[str, float | int | str | bool]
 
 
 def gpu_engine_check(device: str = "cuda", backend: str = "cuda") -> Figures:
     """The check; ``device="cpu", backend="host"`` dry-runs it without a GPU."""
+    from daemon_proc import daemon_process  # imports kvdaemon.client (pyzmq)
     from engine import build_model, decode_rate  # imports transformers
 
     from kvdaemon.client.local_pool import LocalPool

@@ -11,22 +11,40 @@ The device's primary context is made current on the calling thread at
 ``start()`` and before each driver call that needs one. A page stays alive
 while any process maps it, even after its creator released it.
 
+A page reads zero when it is created: ``cuMemCreate`` memory may hold what an
+earlier owner (another tenant, another process) left in it, so ``create_page``
+clears it through the staging slot (``cuMemsetD8``) before anyone maps it.
+
+Views (``tensor``) are made without asking the driver about the pointer (see
+:mod:`kvdaemon.cuda_vmm.device_view`), so they may be made before pages are
+mapped. They are CUDA tensors, except on the test double of
+``tests/cuda_vmm/fake_driver``: a device named ``kvdaemon fake CUDA ...`` keeps
+"device" memory in host memory at the same addresses, and views there are CPU
+tensors, so the whole CUDA path runs on machines without a GPU.
+
 Cost: one or two driver calls per operation (plus a ``cuCtxSynchronize`` per
-``unmap``).
+``unmap``); ``create_page`` adds a map, a memset and an unmap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvdaemon.cuda_vmm.address_book import AddressBook
 from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage
+from kvdaemon.cuda_vmm.device_view import address_view
 from kvdaemon.errors import BackendError
 
 if TYPE_CHECKING:
     import torch
+
+HOST_MEMORY_DEVICE_PREFIX = "kvdaemon fake CUDA"
+"""Device names of the test double whose device memory is host memory (views are CPU tensors)."""
 
 
 def load_driver() -> Any:
@@ -82,7 +100,10 @@ class CudaBackend:
         self._book = AddressBook(page_size_bytes)
         self._created: dict[int, Any] = {}
         self._imported: dict[int, Any] = {}  # id(handle) -> handle, released at close()
-        self._staging = 0  # a one-page range where copy_out/copy_in map pages
+        self._staging = 0  # a one-page range where copy_out/copy_in/zeroing map pages
+        self._staging_lock = threading.Lock()  # one page at a time in the staging slot
+        self.device_name = ""
+        self.host_memory = False  # True on the fake driver: views are CPU tensors
 
     @property
     def granularity_bytes(self) -> int:
@@ -119,6 +140,9 @@ class CudaBackend:
         if not 0 <= self.device < num_devices:
             raise BackendError(f"CUDA device {self.device} does not exist ({num_devices} found)")
         dev = self._check(drv.cuDeviceGet(self.device), "cuDeviceGet")
+        name = self._check(drv.cuDeviceGetName(256, dev), "cuDeviceGetName")
+        self.device_name = name.split(b"\0", 1)[0].decode(errors="replace")
+        self.host_memory = self.device_name.startswith(HOST_MEMORY_DEVICE_PREFIX)
         self._ctx = self._check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         self._check(drv.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         prop = drv.CUmemAllocationProp()
@@ -181,14 +205,22 @@ class CudaBackend:
         self._check(drv.cuMemAddressFree(drv.CUdeviceptr(addr), size_bytes), "cuMemAddressFree")
 
     def create_page(self, page_id: int) -> PhysicalPage:
+        """A new page of device memory that reads zero (an earlier owner's bytes are cleared)."""
         drv = self._driver()
         if not isinstance(page_id, int) or not 0 <= page_id < self.num_pages:
             raise BackendError(f"page {page_id!r} is outside the pool of {self.num_pages} pages")
         if page_id in self._created:
             raise BackendError(f"page {page_id} already exists")
         handle = self._check(drv.cuMemCreate(self.page_size_bytes, self._prop, 0), "cuMemCreate")
+        page = PhysicalPage(page_id, handle, 0)
+        try:
+            with self._staged(page) as device_ptr:
+                self._check(drv.cuMemsetD8(device_ptr, 0, self.page_size_bytes), "cuMemsetD8")
+        except BackendError:
+            drv.cuMemRelease(handle)
+            raise
         self._created[page_id] = handle
-        return PhysicalPage(page_id, handle, 0)
+        return page
 
     def release_page(self, page: PhysicalPage) -> None:
         drv = self._driver()
@@ -274,11 +306,21 @@ class CudaBackend:
             self._book.unmark_mapped(slot)
 
     def tensor(self, addr: int, size_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A view of ``dtype`` over the range. Nothing asks the driver about the pointer, so the
+        pages may be mapped later (see :mod:`kvdaemon.cuda_vmm.device_view`)."""
         import torch
 
         self._book.check_view(addr, size_bytes)
-        view = _DeviceBytes(addr, size_bytes)
-        return torch.as_tensor(view, device=f"cuda:{self.device}").view(dtype)
+        self._driver()
+        device = torch.device("cpu") if self.host_memory else torch.device("cuda", self.device)
+        return address_view(addr, size_bytes, dtype, device)
+
+    def device_pointer(self, addr: int) -> int:
+        """The device pointer at ``addr``, asked of the driver as Triton's launcher asks of
+        every pointer argument (``cuPointerGetAttribute``); BackendError where nothing is mapped."""
+        drv = self._driver()
+        attribute = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+        return int(self._check(drv.cuPointerGetAttribute(attribute, addr), "cuPointerGetAttribute"))
 
     def mem_info(self) -> MemInfo:
         drv = self._driver()
@@ -297,42 +339,33 @@ class CudaBackend:
         self._check(drv.cuMemHostUnregister(_address(buffer)), "cuMemHostUnregister")
 
     def copy_out(self, page: PhysicalPage, dest: memoryview) -> None:
-        drv, device_ptr, host_ptr = self._stage(page, dest)
-        try:
-            self._check(drv.cuMemcpyDtoH(host_ptr, device_ptr, self.page_size_bytes), "cuMemcpyDtoH")
-        finally:
-            self.unmap(int(device_ptr), self.page_size_bytes)
+        host_ptr = self._host_pointer(dest)
+        with self._staged(page) as device_ptr:
+            self._check(self._drv.cuMemcpyDtoH(host_ptr, device_ptr, self.page_size_bytes), "cuMemcpyDtoH")
 
     def copy_in(self, page: PhysicalPage, src: memoryview) -> None:
-        drv, device_ptr, host_ptr = self._stage(page, src)
-        try:
-            self._check(drv.cuMemcpyHtoD(device_ptr, host_ptr, self.page_size_bytes), "cuMemcpyHtoD")
-        finally:
-            self.unmap(int(device_ptr), self.page_size_bytes)
+        host_ptr = self._host_pointer(src)
+        with self._staged(page) as device_ptr:
+            self._check(self._drv.cuMemcpyHtoD(device_ptr, host_ptr, self.page_size_bytes), "cuMemcpyHtoD")
 
-    def _stage(self, page: PhysicalPage, buf: memoryview) -> tuple[Any, Any, int]:
-        """Map ``page`` at this backend's staging slot; return driver, device and host pointers."""
+    def _host_pointer(self, buf: memoryview) -> int:
         if len(buf) != self.page_size_bytes:
             raise BackendError(f"a page copy needs {self.page_size_bytes} bytes, got {len(buf)}")
-        drv = self._driver()
-        if self._staging == 0:
-            self._staging = self.reserve(self.page_size_bytes)
-        self.map_page(self._staging, page)
-        return drv, drv.CUdeviceptr(self._staging), _address(buf)
+        return _address(buf)
 
-
-class _DeviceBytes:
-    """A byte array in device memory, exposed through ``__cuda_array_interface__``."""
-
-    def __init__(self, addr: int, size_bytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (size_bytes,),
-            "typestr": "|u1",
-            "data": (addr, False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        }
+    @contextlib.contextmanager
+    def _staged(self, page: PhysicalPage) -> Iterator[Any]:
+        """``page`` mapped at this backend's staging slot for the body (one page at a time);
+        yields its device pointer and unmaps it after (synchronising first)."""
+        self._driver()
+        with self._staging_lock:
+            if self._staging == 0:
+                self._staging = self.reserve(self.page_size_bytes)
+            self.map_page(self._staging, page)
+            try:
+                yield self._drv.CUdeviceptr(self._staging)
+            finally:
+                self.unmap(self._staging, self.page_size_bytes)
 
 
 def _address(buffer: memoryview) -> int:
