@@ -230,6 +230,11 @@ class KVPool:
         return self.core.mapped_bytes
 
     @property
+    def backend(self) -> Any:
+        """This process's virtual-memory backend the pool maps through."""
+        return self.core.backend
+
+    @property
     def page_bytes(self) -> int:
         """Bytes of one physical page (a logical page is one per segment)."""
         return self.core.page_bytes

@@ -28,7 +28,7 @@ import pytest
 
 from kvdaemon.client import KVClient
 
-from tests.conftest import answers, short_dir, wait_for
+from tests.conftest import answers, short_dir, wait_until
 from tests.cuda_vmm.conftest import FakeCuda
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ class System:
         with open(self.root / "daemon.err", "ab") as err:
             self.daemon = subprocess.Popen(argv, cwd=REPO_ROOT, env=self.env,
                                            stdout=subprocess.DEVNULL, stderr=err)
-        wait_for(lambda: answers(self.root), 60, "the daemon did not start on the fake driver")
+        wait_until(lambda: answers(self.root), 60, "the daemon did not start on the fake driver")
         return self.daemon
 
     def tenant(self, name: str, tag: int, spare: int = 2, prefetch: int = 0) -> Child:
@@ -184,9 +184,9 @@ def test_two_tenants_grow_reclaim_and_sleep_warm_and_cold(system: System) -> Non
     assert a.ask("alloc", n=4 * BLOCKS_PER_LP)["num_nonzero"] == 0
     a.ask("free", n=-1)
     system.client.set_limit("a", max_bytes=LP_BYTES)  # a gives back its spare pages
-    wait_for(lambda: system.tenants()["a"]["mapped_bytes"] <= LP_BYTES, 30, "a kept its spare pages")
+    wait_until(lambda: system.tenants()["a"]["mapped_bytes"] <= LP_BYTES, 30, "a kept its spare pages")
     system.client.wake("b")
-    wait_for(lambda: b.ask("info")["mapped_bytes"] == 7 * LP_BYTES, 30, "b's pool did not map its pages")
+    wait_until(lambda: b.ask("info")["mapped_bytes"] == 7 * LP_BYTES, 30, "b's pool did not map its pages")
     assert b.ask("verify") == {"ok": True, "num_blocks": 7 * BLOCKS_PER_LP}  # every byte, same addresses
     assert b.ask("info")["data_ptrs"] == b_ptrs
 
@@ -194,7 +194,7 @@ def test_two_tenants_grow_reclaim_and_sleep_warm_and_cold(system: System) -> Non
     a.ask("alloc", n=BLOCKS_PER_LP)
     system.client.sleep("a", mode="cold")
     system.client.wake("a")
-    wait_for(lambda: a.ask("info")["sleep_mode"] is None, 30, "a's pool did not wake")
+    wait_until(lambda: a.ask("info")["sleep_mode"] is None, 30, "a's pool did not wake")
     a.ask("forget")
     assert a.ask("alloc", n=BLOCKS_PER_LP)["num_nonzero"] == 0
     system.check_accounting()
@@ -220,7 +220,7 @@ def test_a_killed_tenant_and_a_restarted_daemon_lose_nothing(system: System) -> 
     b_mapped = b.ask("info")["mapped_bytes"]
 
     os.kill(a.proc.pid, signal.SIGKILL)
-    wait_for(lambda: "a" not in system.tenants(), 30, "a's lease was not ended")
+    wait_until(lambda: "a" not in system.tenants(), 30, "a's lease was not ended")
     assert system.check_accounting()["free_bytes"] == CAPACITY - b_mapped
     assert b.ask("verify")["ok"]
 
@@ -233,7 +233,7 @@ def test_a_killed_tenant_and_a_restarted_daemon_lose_nothing(system: System) -> 
         released = [c for c in system.calls(b.proc.pid) if c.name == "cuMemRelease" and c.result == 0]
         return len(released) >= b_mapped // PAGE_BYTES
 
-    wait_for(old_pages_released, 60, "b did not hand its pages over to the new daemon")
+    wait_until(old_pages_released, 60, "b did not hand its pages over to the new daemon")
     assert system.tenants()["b"]["mapped_bytes"] == b_mapped
     assert b.ask("verify") == {"ok": True, "num_blocks": 2 * BLOCKS_PER_LP}
     assert b.ask("alloc", n=BLOCKS_PER_LP)["num_nonzero"] == 0

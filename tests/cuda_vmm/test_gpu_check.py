@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from tests.conftest import wait_for
+from tests.conftest import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GPU_CHECK = REPO_ROOT / "bench" / "gpu_check.py"
@@ -51,12 +51,12 @@ def test_a_stopped_run_still_writes_its_summary(tmp_path: Path) -> None:
     proc = subprocess.Popen(gpu_check("--only", "cuda_start", "torch_view", "swap_copy", "--json", str(out)),
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     runner = psutil.Process(proc.pid)
-    wait_for(lambda: bool(runner.children()), 30, "the first check did not start")
+    wait_until(lambda: bool(runner.children()), 30, "the first check did not start")
     proc.send_signal(signal.SIGTERM)  # while the first check runs
     stdout, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "gpu_check: stopped" in stdout and "SUMMARY" in stdout
-    wait_for(out.exists, 5, "no JSON was written")
+    wait_until(out.exists, 5, "no JSON was written")
     record = json.loads(out.read_text())
     assert record["not_run"] == ["cuda_start", "torch_view", "swap_copy"]
     assert record["checks"] == {}
