@@ -124,7 +124,7 @@ class Daemon:
         if self._wake_w >= 0:
             try:
                 os.write(self._wake_w, b"x")
-            except BlockingIOError:
+            except OSError:  # full (a wake-up is pending anyway), or closed by a stop in progress
                 pass
 
     # -- loop ------------------------------------------------------------------
@@ -267,10 +267,10 @@ class Daemon:
             self._ctx.term()
         for path in self.paths.sockets():
             path.unlink(missing_ok=True)
-        for fd in (self._wake_r, self._wake_w):
+        fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
+        for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        self._wake_r = self._wake_w = -1
 
 
 def _raise_fd_limit() -> None:
