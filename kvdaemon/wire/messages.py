@@ -91,10 +91,7 @@ class SleepNotice(Notice):
 
     @classmethod
     def parse(cls, args: Args) -> SleepNotice:
-        mode = args.str("mode", 8)
-        if mode not in SLEEP_MODES:
-            raise BadRequest(f"sleep mode must be one of {SLEEP_MODES}, got {mode!r}")
-        return cls(mode, args.int("sleep_id", 1), args.bool("by_owner"))
+        return cls(_mode(args), args.int("sleep_id", 1), args.bool("by_owner"))
 
 
 @dataclass(frozen=True)
@@ -124,10 +121,7 @@ class WakeNotice(Notice):
 
     @classmethod
     def parse(cls, args: Args) -> WakeNotice:
-        mode = args.str("mode", 8)
-        if mode not in SLEEP_MODES:
-            raise BadRequest(f"wake mode must be one of {SLEEP_MODES}, got {mode!r}")
-        return cls(mode, args.int("grant_id", 0), args.int_list("logical_pages", 0, MAX_INT))
+        return cls(_mode(args), args.int("grant_id", 0), args.int_list("logical_pages", 0, MAX_INT))
 
 
 @dataclass(frozen=True)
@@ -184,6 +178,13 @@ def parse_grant_pages(raw: object) -> list[list[Any]]:
         ):  # fmt: skip
             raise BadRequest(f"malformed grant entry {str(item)[:64]}")
     return raw
+
+
+def _mode(args: Args) -> str:
+    mode = args.str("mode", 8)
+    if mode not in SLEEP_MODES:
+        raise BadRequest(f"a sleep mode is one of {SLEEP_MODES}, got {mode!r}")
+    return mode
 
 
 def _is_index(value: object) -> bool:

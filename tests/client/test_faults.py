@@ -9,8 +9,9 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.daemon import swap
-from kvdaemon.errors import Conflict, DaemonUnreachable, NoReply
+from kvdaemon.errors import Conflict, NoReply
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, short_dir, start_daemon, wait_until
 
@@ -55,33 +56,50 @@ def root() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def daemons(root: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
+    """Start daemon processes on ``root``; any left running are killed afterwards."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        procs.append(start_daemon(root))
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def wait_reregistered(client: KVClient, pool: KVPool) -> None:
+    """Wait until ``pool`` moved to the daemon now running and both sides count the same pages."""
+    wait_until(lambda: pool.state is PoolState.ACTIVE and any(
+        t["name"] == pool.name for t in client.status()["tenants"]), 15, "no re-registration")
+    pool.agent.nudge()
+    wait_until(lambda: row(client, pool.name)["mapped_bytes"] == pool.mapped_bytes, 5, "counts differ")
+
+
 # -- item 1: a stop never zeroes a live tenant's KV -------------------------------------
 
 
-def test_a_graceful_stop_keeps_every_byte_and_the_next_daemon_takes_them_back(root: Path) -> None:
-    first = start_daemon(root)
-    client = KVClient(root)
-    pool = client.register("a", SPEC, num_prefetch_pages=0)
-    blocks = pool.alloc(2 * BLOCKS_PER_PAGE + 3)
-    pattern(pool, blocks, seed=1)
-    try:
+def test_a_graceful_stop_keeps_every_byte_and_the_next_daemon_takes_them_back(
+    root: Path, daemons: Callable[[], subprocess.Popen[bytes]]
+) -> None:
+    first = daemons()
+    with KVClient(root) as client:
+        pool = client.register("a", SPEC, num_prefetch_pages=0)
+        blocks = pool.alloc(2 * BLOCKS_PER_PAGE + 3)
+        pattern(pool, blocks, seed=1)
         client.shutdown()
         first.wait(30)
         wait_until(lambda: pool.state is PoolState.DETACHED, 5, "the pool did not notice the stop")
         assert intact(pool, blocks, seed=1), "the stop zeroed the tenant's KV"
-        second = start_daemon(root)
-        wait_until(lambda: pool.state is PoolState.ACTIVE and any(
-            t["name"] == "a" for t in client.status()["tenants"]), 15, "no re-registration")
+        second = daemons()
+        wait_reregistered(client, pool)
         assert intact(pool, blocks, seed=1) and pool.num_block_losses == 0
-        assert row(client, "a")["mapped_bytes"] == pool.mapped_bytes
         pool.close()
         client.shutdown()
         second.wait(30)
-    finally:
-        client.close()
-        for proc in (first, locals().get("second")):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
 
 
 def test_a_loop_that_dies_releases_no_page_a_tenant_maps(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -173,24 +191,21 @@ def test_a_late_grant_is_adopted_and_alloc_raises_only_exhaustion_or_unreachable
 # -- items 4 and 5: frees during an outage, reconciled after the restart ----------------
 
 
-def test_frees_during_an_outage_are_local_and_reconciled_after_the_restart(root: Path) -> None:
-    first = start_daemon(root)
-    client = KVClient(root)
-    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
-    blocks = pool.alloc(4 * BLOCKS_PER_PAGE)
-    pattern(pool, blocks[:BLOCKS_PER_PAGE], seed=5)
-    try:
+def test_frees_during_an_outage_are_local_and_reconciled_after_the_restart(
+    root: Path, daemons: Callable[[], subprocess.Popen[bytes]]
+) -> None:
+    first = daemons()
+    with KVClient(root) as client:
+        pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+        blocks = pool.alloc(4 * BLOCKS_PER_PAGE)
+        pattern(pool, blocks[:BLOCKS_PER_PAGE], seed=5)
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
         wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
         pool.free(blocks[BLOCKS_PER_PAGE:])  # no daemon: local, no error, no wait
-        second = start_daemon(root)
-        wait_until(lambda: pool.state is PoolState.ACTIVE and any(
-            t["name"] == "a" for t in client.status()["tenants"]), 15, "no re-registration")
-        pool.agent.nudge()
+        second = daemons()
+        wait_reregistered(client, pool)
         wait_until(lambda: row(client, "a")["mapped_bytes"] == LOGICAL, 5, "the empty pages stayed charged")
-        with pool.core.lock:
-            assert row(client, "a")["mapped_bytes"] == pool.mapped_bytes
         assert intact(pool, blocks[:BLOCKS_PER_PAGE], seed=5)
         again = pool.alloc(3 * BLOCKS_PER_PAGE)  # no PoolExhausted, no "not mapped"
         pool.free(again)
@@ -199,11 +214,6 @@ def test_frees_during_an_outage_are_local_and_reconciled_after_the_restart(root:
         assert status["tenants"] == [] and status["free_bytes"] == status["capacity_bytes"]
         client.shutdown()
         second.wait(30)
-    finally:
-        client.close()
-        for proc in (first, locals().get("second")):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
 
 
 # -- item 6: a pool that cannot quiesce is never unmapped under its user ------------------

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import socket
-import time
 from contextlib import closing
 
 import pytest
 
-from kvdaemon.client import KVSpec, PoolExhausted
+from kvdaemon.client import KVSpec
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.errors import DaemonUnreachable, PoolClosed
 from kvdaemon.wire.handles import recv_frame, send_frame

@@ -11,7 +11,6 @@ import os
 import random
 import select
 import socket
-import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from typing import Any
