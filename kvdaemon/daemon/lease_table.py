@@ -65,6 +65,8 @@ MAX_UNATTACHED_PER_PID = 16
 MAX_ACCEPTS_PER_ROUND = 64
 LISTEN_BACKLOG = 512
 FD_RESERVE_MIN = 256  # fds kept for ZeroMQ's connections, the backend, logs, metrics
+POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # plain ints: flag enums cost on every event
+READABLE = POLLIN | int(zmq.POLLERR)
 
 AttachFn = Callable[[str, str, int], int]
 EndLeaseFn = Callable[[int, str, bool], None]
@@ -96,6 +98,7 @@ class Conn:
     tenant_id: int | None = None
     closing: str | None = None
     grants: bool = False  # a tenant's grant channel, not its lease
+    watching_out: bool = False  # registered for POLLOUT (frames wait for room)
 
 
 class LeaseTable:
@@ -171,7 +174,7 @@ class LeaseTable:
             conn = Conn(sock, Outbox(sock), pid)
             self.conns[sock.fileno()] = conn
             self._waiting[sock.fileno()] = conn
-            self._poller.register(sock.fileno(), zmq.POLLIN)
+            self._poller.register(sock.fileno(), POLLIN)
             self._read(conn)  # an attach frame sent right after connect is served now
 
     def _make_room(self, pid: int) -> None:
@@ -193,7 +196,7 @@ class LeaseTable:
         if self._listener is None or accepting == self._accepting:
             return
         if accepting:
-            self._poller.register(self._listener.fileno(), zmq.POLLIN)
+            self._poller.register(self._listener.fileno(), POLLIN)
         else:
             self._poller.unregister(self._listener.fileno())
         self._accepting = accepting
@@ -206,9 +209,9 @@ class LeaseTable:
             conn = self.conns.get(fd) if isinstance(fd, int) else None
             if conn is None:
                 continue
-            if flags & zmq.POLLOUT:
+            if flags & POLLOUT:
                 self.flush(conn)
-            if flags & (zmq.POLLIN | zmq.POLLERR) and conn.closing is None:
+            if flags & READABLE and conn.closing is None:
                 self._read(conn)
 
     def _read(self, conn: Conn) -> None:
@@ -290,8 +293,9 @@ class LeaseTable:
             self._mark_dead(conn, f"send failed: {exc}")
             return
         fd = conn.sock.fileno()
-        if fd in self.conns:
-            self._poller.register(fd, zmq.POLLIN if done else zmq.POLLIN | zmq.POLLOUT)
+        if fd in self.conns and conn.watching_out == done:  # watch for room only while frames wait
+            conn.watching_out = not done
+            self._poller.register(fd, POLLIN if done else POLLIN | POLLOUT)
 
     def num_held_fds(self) -> int:
         """Fds the handle channel holds: connections, unread grant fds, fds being closed."""

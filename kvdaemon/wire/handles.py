@@ -131,6 +131,7 @@ class Outbox:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._frames: deque[tuple[bytes, list[int]]] = deque()
+        self._last_grant: dict[str, Any] | None = None
         self.num_queued_fds = 0
         self.num_sent_fds = 0
 
@@ -142,19 +143,16 @@ class Outbox:
         """Queue one frame without fds."""
         self._frames.append((encode(body), []))
 
-    def push_encoded(self, data: bytes) -> None:
-        """Queue one frame already encoded (a reply), without fds."""
-        self._frames.append((data, []))
-
     def push_reply(self, data: bytes) -> None:
         """Queue an encoded reply; if the last queued frame is a grant frame not sent yet,
         the reply travels with it (``"frame"``: the grant frame's body, with its fds), so
         the peer is woken once."""
-        if self._frames and self._frames[-1][1]:
-            frame, fds = self._frames.pop()
-            self._frames.append((encode({**decode(data), "frame": decode(frame)}), fds))
+        if self._frames and self._frames[-1][1] and self._last_grant is not None:
+            _, fds = self._frames.pop()
+            self._frames.append((encode({**decode(data), "frame": self._last_grant}), fds))
         else:
             self._frames.append((data, []))
+        self._last_grant = None
 
     def push_grant(
         self, grant_id: int, page_ids: list[int], fds: list[int], fd_index: list[int]
@@ -162,6 +160,7 @@ class Outbox:
         """Queue one frame of a grant: pages, their fds, and which fd carries each page."""
         body = {"grant_id": grant_id, "page_ids": page_ids, "fd_index": fd_index}
         self._frames.append((encode(body), fds))
+        self._last_grant = body  # merged into a reply that follows it (``push_reply``)
         self.num_queued_fds += len(fds)
 
     def pending(self) -> bool:
