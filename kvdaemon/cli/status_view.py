@@ -119,9 +119,14 @@ def describe_policy(policy: dict[str, Any]) -> str:
         value = policy.get(field)
         if value is None:
             continue
-        shown = format_bytes(int(value)) if isinstance(value, str) and value.isdigit() else value
+        if isinstance(value, str):
+            shown = value  # "40%" or "none"
+        elif field == "weight":
+            shown = f"{value:g}"
+        else:
+            shown = format_bytes(int(value))
         source = f" ({sources[field]})" if field in sources else ""
-        parts.append(f"{field} {shown if isinstance(shown, str) else f'{shown:g}'}{source}")
+        parts.append(f"{field} {shown}{source}")
     return ", ".join(parts) or "none"
 
 

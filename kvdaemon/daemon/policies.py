@@ -71,14 +71,15 @@ class Policy:
         return all(getattr(self, name) is None for name in FIELDS)
 
     def to_json(self) -> dict[str, Any]:
-        """The fields that are set: sizes as ``parse_size`` reads them back, ``none`` for removed."""
+        """The fields that are set: a size as bytes (an integer) or ``"N%"``, a weight as a
+        number, ``"none"`` for a removed field; ``parse_policy`` reads it back."""
         out: dict[str, Any] = {}
         for name in FIELDS:
             value = getattr(self, name)
             if value is REMOVED:
                 out[name] = REMOVED.value
             elif isinstance(value, SizeSpec):
-                out[name] = str(value)
+                out[name] = str(value) if value.is_percent else value.resolve(0)
             elif value is not None:
                 out[name] = value
         return out

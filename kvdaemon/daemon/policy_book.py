@@ -62,7 +62,16 @@ class PolicyBook:
 
     def store(self, name: str, layer: Policy) -> None:
         """Make ``layer`` what ``limit`` set for ``name`` (an empty one forgets it), on disk
-        first: ``KVDaemonError`` when the file cannot be written, and then nothing changed."""
+        first: ``KVDaemonError`` when the file cannot be written, and then nothing changed.
+
+        A ``none`` where the config file sets nothing is nothing, and is not kept.
+        """
+        base = self._configured.get(name, EMPTY)
+        layer = Policy(*(
+            None if getattr(layer, field) is REMOVED and getattr(base, field) is None
+            else getattr(layer, field)
+            for field in FIELDS
+        ))  # fmt: skip
         kept = dict(self._set)
         if layer.is_empty:
             kept.pop(name, None)
@@ -91,8 +100,3 @@ class PolicyBook:
     def rows(self, registered: Iterable[str]) -> list[dict[str, Any]]:
         present = set(registered)
         return [self.row(name, name in present) for name in self.names()]
-
-
-def removed_fields(policy: Policy) -> list[str]:
-    """The fields ``policy`` removes (``none``)."""
-    return [field for field in FIELDS if getattr(policy, field) is REMOVED]

@@ -93,6 +93,9 @@ class Service:
         self.policies = policies if policies is not None else PolicyBook(self.config.tenant_policies)
         self.limiter = Limiter(self.tenants, self.policies, self.grants, leases, self.pages.capacity_bytes)
         self.activity = ActivityLog()
+        for name in self.policies.names():
+            log.info("operator policy of %s: %s (%s)", name, self.policies.effective(name).describe(),
+                     ", ".join(f"{f} from {src}" for f, src in self.policies.sources(name).items()))  # fmt: skip
         self._ops: dict[str, Callable[[Args, Call], Any]] = {
             "hello": self.op_hello, "register": self.op_register, "grow": self.op_grow,
             "shrink": self.op_shrink, "heartbeat": self.op_heartbeat,

@@ -126,7 +126,7 @@ class Sleeper:
         tenant.last_sleep = (sleep_id, result)
         if pending.waiter is not None:
             pending.waiter.ok(result)
-        kept = "" if tenant.warm is None else f", {format_bytes(tenant.warm.host_bytes)} kept in host memory"
+        kept = f", {format_bytes(tenant.warm.host_bytes)} kept in host memory" if tenant.warm and num_pages else ""
         log.info("tenant %s is %s (%s): %d page(s) (%s) freed%s", tenant.name, tenant.state.value,
                  pending.why, num_pages, format_bytes(num_pages * tenant.page_size_bytes),
                  kept)  # fmt: skip

@@ -5,8 +5,8 @@ by a person, a policy or a process ending, and get one line each where they
 happen, with sizes in binary units. What can happen many times a second is
 only counted on the tenant (``note_grown``, ``note_shrunk``, ``note_refused``)
 and summarised here by ``ActivityLog.tick``: per tenant, at most one INFO line
-per ``interval_s`` for its grows and shrinks (``grew 12 pages (+24.0 MiB),
-shrank 3 pages (-6.00 MiB) in the last 10 s; now 1.20 GiB mapped``) and one
+per ``interval_s`` for its grows and shrinks (``grew 12 page(s) (+24.0 MiB),
+shrank 3 page(s) (-6.00 MiB) in the last 10 s; now 1.20 GiB mapped``) and one
 WARNING line for its refused grows, with the last reason. The first news after
 a quiet interval goes out at the next tick; what a tenant did since its last
 summary is flushed when it leaves.
@@ -62,12 +62,11 @@ class ActivityLog:
         num_shrunk = tenant.num_shrunk_pages - logged.num_shrunk
         if (num_grown or num_shrunk) and (force or self._due(logged.growth_at, now)):
             page = tenant.logical_page_bytes
-            log.info(
-                "tenant %s: grew %d page(s) (+%s), shrank %d page(s) (-%s) %s; now %s mapped",
-                tenant.name, num_grown, format_bytes(num_grown * page), num_shrunk,
-                format_bytes(num_shrunk * page), _period(tenant, logged.growth_at, now),
-                format_bytes(tenant.mapped_bytes),
-            )  # fmt: skip
+            moves = [f"{verb} {count} page(s) ({sign}{format_bytes(count * page)})"
+                     for verb, sign, count in (("grew", "+", num_grown), ("shrank", "-", num_shrunk))
+                     if count]  # fmt: skip
+            log.info("tenant %s: %s %s; now %s mapped", tenant.name, ", ".join(moves),
+                     _period(tenant, logged.growth_at, now), format_bytes(tenant.mapped_bytes))  # fmt: skip
             logged.num_grown, logged.num_shrunk = tenant.num_grown_pages, tenant.num_shrunk_pages
             logged.growth_at = now
         num_refused = tenant.num_refused_grows - logged.num_refused

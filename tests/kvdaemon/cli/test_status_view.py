@@ -107,7 +107,7 @@ def test_policies_are_listed_with_their_sources() -> None:
     policies = [
         {"name": "llama-a", "registered": True, "max": "40%", "min": None, "weight": None,
          "sources": {"max": "config"}},
-        {"name": "qwen-b", "registered": False, "max": "8589934592", "min": "none", "weight": 2.0,
+        {"name": "qwen-b", "registered": False, "max": 8589934592, "min": "none", "weight": 2.0,
          "sources": {"max": "limit", "min": "limit", "weight": "config"}},
     ]  # fmt: skip
     lines = rendered({**make_status([make_tenant()]), "policies": policies}).splitlines()

@@ -12,6 +12,7 @@ import pytest
 
 from kvdaemon.cuda_vmm import HostBackend
 from kvdaemon.daemon.config import DaemonConfig
+from kvdaemon.daemon.policy_book import PolicyBook
 from kvdaemon.daemon.service import Service
 from kvdaemon.wire.protocol import PROTOCOL_VERSION, decode, encode, request
 
@@ -63,7 +64,7 @@ class Harness:
     Deferred replies land in ``replies`` as ``(routing id, payload)``.
     """
 
-    def __init__(self, **config: Any) -> None:
+    def __init__(self, policies: PolicyBook | None = None, **config: Any) -> None:
         self.backend = HostBackend(num_pages=NUM_PAGES, page_size_bytes=PAGE_BYTES)
         self.backend.start()
         self.leases = FakeLeases()
@@ -72,6 +73,7 @@ class Harness:
         self.service = Service(
             self.backend, self.leases, DaemonConfig(**config),
             sink=lambda rid, payload: self.replies.append((rid, payload)), clock=self.clock,
+            policies=policies,
         )
         self._next_id = 0
 
