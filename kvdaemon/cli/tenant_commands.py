@@ -144,13 +144,15 @@ def limit_text(result: dict[str, Any]) -> str:
     """``llama-a: limit 8.00 GiB, min 0 B, weight 1 (revision 2)`` and what was clamped
     or is owed; for a name not registered, the policy kept for it."""
     name = result["name"]
-    policy = status_view.describe_policy(result["policy"] or {})
+    described = status_view.describe_policy(result["policy"] or {})
+    policy = "no operator policy" if described == "none" else f"policy {described}"
     if not result["registered"]:
-        head = f"{name}: not registered; policy {policy} kept, applied when it registers"
+        kept = "kept, applied when it registers" if described != "none" else "for it"
+        head = f"{name}: not registered; {policy} {kept}"
     else:
         head = (f"{name}: limit {format_bytes(result['max_bytes'])}, min "
                 f"{format_bytes(result['min_bytes'])}, weight {result['weight']:g} "
-                f"(revision {result['revision']}; policy {policy})")  # fmt: skip
+                f"(revision {result['revision']}; {policy})")  # fmt: skip
     lines = [head]
     for clamp in result["clamped"]:
         lines.append(f"{name}: {clamp['field']} {format_bytes(clamp['requested_bytes'])} clamped to "
