@@ -431,3 +431,11 @@ def test_bad_tenant_tables_are_refused(tmp_path: Path, body: str, fragment: str)
         load_config({}, {}, file)
     assert err.value.message.startswith(f"{file}: tenants: ")
     assert fragment in err.value.message
+
+
+def test_the_example_config_shows_a_tenant_table_that_loads(tmp_path: Path) -> None:
+    text = (REPO / "deploy" / "kvdaemon.toml").read_text()
+    start = text.index("# [tenants.llama-a]")
+    table = "\n".join(line.removeprefix("# ") for line in text[start:].splitlines())
+    config = load_config({}, {}, write_toml(tmp_path, table))
+    assert config.tenant_policies["llama-a"].to_json() == {"max": "40%", "min": 4 * GiB, "weight": 2.0}
