@@ -101,7 +101,8 @@ def tenant_notes(tenant: dict[str, Any]) -> list[str]:
     notes = []
     owed = owed_bytes(tenant)
     if owed:
-        notes.append(f"owes {format_bytes(owed)} over its {format_bytes(int(tenant['max_bytes']))} limit")
+        limit = format_bytes(int(tenant["max_bytes"]))
+        notes.append(f"owes {format_bytes(owed)} over its {limit} limit")
     refused = int(tenant.get("refused_grows", 0))
     if refused:
         notes.append(f"{refused} grow(s) refused")
@@ -161,4 +162,5 @@ def render(console: Console, dir: Path, status: dict[str, Any]) -> None:  # noqa
         console.print(Text("operator policies (kvdaemon limit; [tenants] of the config file):"))
     for policy in policies:
         waiting = "" if policy.get("registered") else "; not registered yet"
-        console.print(Text(f"  {policy['name']}: {describe_policy(policy)}{waiting}"), highlight=False)
+        line = f"  {policy['name']}: {describe_policy(policy)}{waiting}"
+        console.print(Text(line), highlight=False)

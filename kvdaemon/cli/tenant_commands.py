@@ -46,13 +46,15 @@ def status(names: tuple[str, ...], dir_flag: Path | None, config_file: Path | No
     """Show capacity, free memory and every tenant, or only the tenants NAME...
 
     A NAME that is not registered is an error (UNKNOWN_TENANT, exit 3).
-    --json prints the daemon's status object with its tenants filtered.
+    --json prints the daemon's status object with its tenants and policies
+    filtered; README "What status --json says" describes every field.
     """
     root = daemon_dir(dir_flag, config_file)
     with reach.talking(root) as client:
         snapshot = client.status()
     if names:
-        snapshot = {**snapshot, "tenants": _only(snapshot["tenants"], names)}
+        policies = [p for p in snapshot.get("policies", []) if p["name"] in names]
+        snapshot = {**snapshot, "tenants": _only(snapshot["tenants"], names), "policies": policies}
     if as_json:
         emit(True, {"dir": str(root), **snapshot}, "")
         return

@@ -44,7 +44,6 @@ from kvdaemon.wire.protocol import MAX_INT, Args
 from kvdaemon.wire.sizes import SizeSpec, format_bytes
 
 log = logging.getLogger("kvdaemon.limits")
-__all__ = ["MAX_WEIGHT", "Limiter", "LimitPlan", "plan_limit", "commit_limit"]
 
 
 @dataclass(frozen=True)
@@ -60,11 +59,14 @@ class LimitPlan:
 def plan_limit(
     tenant: Tenant, limits: Limits, revision: int | None, capacity_bytes: int, others_min_bytes: int
 ) -> LimitPlan:
-    """Check ``limits`` for ``tenant`` at ``revision`` (module docstring); raise or return the plan."""
+    """Check ``limits`` for ``tenant`` at ``revision`` (module docstring); raise, or return
+    the plan."""
     if revision is None:
         revision = tenant.limit_revision + 1
     if revision < tenant.limit_revision:
-        raise StaleRevision(f"revision {revision} is older than {tenant.name!r}'s {tenant.limit_revision}")
+        raise StaleRevision(
+            f"revision {revision} is older than {tenant.name!r}'s {tenant.limit_revision}"
+        )
     if revision == tenant.limit_revision:
         if limits != tenant.current_limits():
             raise Conflict(f"revision {revision} was already applied with other values")
@@ -107,7 +109,8 @@ class Limiter:
         if guaranteed + bounded.limits.min_bytes > self.capacity_bytes:
             raise NoMemory(
                 f"min {format_bytes(bounded.limits.min_bytes)} of {name!r} does not fit: "
-                f"{format_bytes(guaranteed)} of {format_bytes(self.capacity_bytes)} already guaranteed"
+                f"{format_bytes(guaranteed)} of {format_bytes(self.capacity_bytes)} "
+                "already guaranteed"
             )
         return bounded
 
@@ -172,8 +175,9 @@ class Limiter:
             log.info("limits of %s set %s: %s (was %s; revision %d)%s%s", tenant.name, by,
                      describe_limits(plan.limits), describe_limits(before), plan.revision,
                      _clamps(bounded), _owing(tenant))  # fmt: skip
+        report = self._report(tenant.name, bounded, registered=True)
         return {"result": "applied", "registered": True, "revision": plan.revision,
-                "changed": plan.changed, **self._report(tenant.name, bounded, registered=True)}  # fmt: skip
+                "changed": plan.changed, **report}  # fmt: skip
 
     def _check_policy(self, name: str, policy: Policy) -> None:
         settled = policy.settled()
@@ -223,7 +227,7 @@ def _owing(tenant: Tenant) -> str:
 
 
 def _policy_change(args: Args) -> Policy:
-    """The policy fields of an operator's ``set_limit`` (``max_bytes``/``min_bytes`` as exact sizes)."""
+    """The policy fields of an operator's ``set_limit`` (``max_bytes``/``min_bytes``: exact sizes)."""
     raw: dict[str, Any] = {key: args.raw(key) for key in ("max", "min", "weight")}
     for key in ("max", "min"):
         if args.has(f"{key}_bytes"):

@@ -139,8 +139,11 @@ def parse_weight_field(raw: Any) -> WeightField:
         return None
     if isinstance(raw, str) and raw.strip().lower() == REMOVED.value:
         return REMOVED
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not MIN_WEIGHT <= raw <= MAX_WEIGHT:
-        raise ConfigError(f"weight must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] or none, got {raw!r}")
+    number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
+    if not number or not MIN_WEIGHT <= raw <= MAX_WEIGHT:
+        raise ConfigError(
+            f"weight must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] or none, got {raw!r}"
+        )
     return float(raw)
 
 

@@ -30,7 +30,9 @@ CONFIG, LIMIT = "config", "limit"
 class PolicyBook:
     """Policies by tenant name (see the module docstring); ``path`` ``None`` keeps nothing on disk."""
 
-    def __init__(self, configured: Mapping[str, Policy] | None = None, path: Path | None = None) -> None:
+    def __init__(
+        self, configured: Mapping[str, Policy] | None = None, path: Path | None = None
+    ) -> None:
         self._configured = dict(configured or {})
         self._set: dict[str, Policy] = {}
         self.path = path

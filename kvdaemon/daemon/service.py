@@ -91,11 +91,14 @@ class Service:
         )
         # Operator policies: the config file's [tenants], plus those kept on disk when given.
         self.policies = policies if policies is not None else PolicyBook(self.config.tenant_policies)
-        self.limiter = Limiter(self.tenants, self.policies, self.grants, leases, self.pages.capacity_bytes)
+        self.limiter = Limiter(
+            self.tenants, self.policies, self.grants, leases, self.pages.capacity_bytes
+        )
         self.activity = ActivityLog()
         for name in self.policies.names():
-            log.info("operator policy of %s: %s (%s)", name, self.policies.effective(name).describe(),
-                     ", ".join(f"{f} from {src}" for f, src in self.policies.sources(name).items()))  # fmt: skip
+            sources = ", ".join(f"{f} from {src}" for f, src in self.policies.sources(name).items())
+            log.info("operator policy of %s: %s (%s)", name,
+                     self.policies.effective(name).describe(), sources)  # fmt: skip
         self._ops: dict[str, Callable[[Args, Call], Any]] = {
             "hello": self.op_hello, "register": self.op_register, "grow": self.op_grow,
             "shrink": self.op_shrink, "heartbeat": self.op_heartbeat,
@@ -265,9 +268,8 @@ class Service:
         return self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"))
 
     def op_wake(self, args: Args, _call: Call) -> dict[str, Any]:
-        why = "woken by the tenant itself (auto-wake or its own call)" if args.has("token") else (
-            "woken by an admin"
-        )
+        by_owner = args.has("token")
+        why = "woken by the tenant itself (auto-wake or its own call)" if by_owner else "woken by an admin"
         return self.sleeper.wake(self._by_name(args), self.clock(), why)
 
     def op_shutdown(self, _args: Args, _call: Call) -> dict[str, Any]:
@@ -314,7 +316,8 @@ class Service:
         serve parked grows, the idle policy."""
         for tenant in self.tenants:
             if not tenant.leased and now - tenant.registered_at > self.config.attach_timeout_s:
-                why = f"it never attached its handle channel within {self.config.attach_timeout_s:g} s"
+                timeout_s = self.config.attach_timeout_s
+                why = f"it never attached its handle channel within {timeout_s:g} s"
                 self.remove(tenant, why, clean=False)
         self.sleeper.expire(now)
         self.reclaimer.retry(now)

@@ -126,7 +126,9 @@ class Sleeper:
         tenant.last_sleep = (sleep_id, result)
         if pending.waiter is not None:
             pending.waiter.ok(result)
-        kept = f", {format_bytes(tenant.warm.host_bytes)} kept in host memory" if tenant.warm and num_pages else ""
+        kept = ""
+        if tenant.warm is not None and num_pages:
+            kept = f", {format_bytes(tenant.warm.host_bytes)} kept in host memory"
         log.info("tenant %s is %s (%s): %d page(s) (%s) freed%s", tenant.name, tenant.state.value,
                  pending.why, num_pages, format_bytes(num_pages * tenant.page_size_bytes),
                  kept)  # fmt: skip
@@ -177,7 +179,8 @@ class Sleeper:
             idle = now - tenant.last_active
             if (tenant.state is TenantState.ACTIVE and tenant.leased and tenant.sleepable
                     and tenant.pending_sleep is None and idle >= idle_s):  # fmt: skip
-                log.info("tenant %s idle for %.0f s: asking it to sleep (%s)", tenant.name, idle, mode)
+                log.info("tenant %s idle for %.0f s: asking it to sleep (%s)",
+                         tenant.name, idle, mode)  # fmt: skip
                 self.begin(tenant, mode, None, now, why=f"idle policy: idle for {idle:.0f} s")
 
     def stats(self) -> dict[str, int]:

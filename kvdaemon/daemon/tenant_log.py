@@ -65,8 +65,9 @@ class ActivityLog:
             moves = [f"{verb} {count} page(s) ({sign}{format_bytes(count * page)})"
                      for verb, sign, count in (("grew", "+", num_grown), ("shrank", "-", num_shrunk))
                      if count]  # fmt: skip
-            log.info("tenant %s: %s %s; now %s mapped", tenant.name, ", ".join(moves),
-                     _period(tenant, logged.growth_at, now), format_bytes(tenant.mapped_bytes))  # fmt: skip
+            period = _period(tenant, logged.growth_at, now)
+            log.info("tenant %s: %s %s; now %s mapped", tenant.name, ", ".join(moves), period,
+                     format_bytes(tenant.mapped_bytes))  # fmt: skip
             logged.num_grown, logged.num_shrunk = tenant.num_grown_pages, tenant.num_shrunk_pages
             logged.growth_at = now
         num_refused = tenant.num_refused_grows - logged.num_refused
