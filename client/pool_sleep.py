@@ -86,9 +86,13 @@ def wake_pool(core: PoolCore, notice: WakeNotice) -> None:
             return
         granted = core.lease.receive_pages(notice.grant_id, notice.logical_pages) if notice.logical_pages else {}
         core.segments.map_all(granted)
-        if core.state is PoolState.ASLEEP_WARM and core.sleeping_allocator is not None:
+        # The wake notice's mode decides: the daemon may have made a warm sleep cold meanwhile
+        # (`kvdaemon sleep --cold`), and then the blocks of the old allocator are gone.
+        if notice.mode == "warm" and core.sleeping_allocator is not None:
             core.allocator = core.sleeping_allocator
         else:
+            if core.sleeping_allocator is not None:
+                core.num_block_losses += 1
             core.allocator = core.new_allocator()
             for lp in granted:
                 core.allocator.add_page(lp)

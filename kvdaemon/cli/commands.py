@@ -87,6 +87,8 @@ kvdaemon start --foreground --config /etc/kvdaemon/kvdaemon.toml   # under syste
                    "SIGHUP) [default: DIR/kvdaemon.log when detached, none with --foreground].")
 @click.option("--foreground", is_flag=True,
               help="Run in this process until stopped, logging to stderr (and --log-file).")
+@click.option("--tenant-policy", multiple=True, hidden=True,
+              help="A [tenants.NAME] policy as JSON (how a detached start hands them on).")
 @reporting
 def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foreground: bool,
           **settings: Any) -> None:  # fmt: skip
@@ -95,7 +97,8 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
     --foreground runs it in this process until SIGTERM, SIGINT or `kvdaemon
     stop`, and tells systemd READY=1 / STOPPING=1 when $NOTIFY_SOCKET is set.
     Settings: flags, then KVDAEMON_* variables (KVDAEMON_PAGE_SIZE for
-    --page-size), then the --config file (page-size = "64KiB").
+    --page-size), then the --config file (page-size = "64KiB"), whose
+    [tenants.NAME] tables set limits for tenants before they register.
     """
     flags = {"dir": dir_flag, **{key.replace("_", "-"): value for key, value in settings.items()}}
     config = load_config(flags, os.environ, config_file)

@@ -13,6 +13,7 @@ import click
 from kvdaemon.cli.exit_codes import EPILOG
 from kvdaemon.cli.output import fail_usage
 from kvdaemon.daemon.config import dir_from
+from kvdaemon.daemon.policies import MAX_WEIGHT, MIN_WEIGHT
 from kvdaemon.errors import ConfigError
 from kvdaemon.wire.sizes import SizeSpec, parse_size
 
@@ -38,6 +39,34 @@ class SizeParam(click.ParamType):
             return parse_size(value)
         except ConfigError as err:
             self.fail(err.message, param, ctx)
+
+
+class PolicySizeParam(SizeParam):
+    """A policy's size: as ``SizeParam``, or ``none``; converted to the text the daemon reads."""
+
+    name = "size|none"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "none":
+            return "none"
+        return str(super().convert(value, param, ctx))
+
+
+class WeightParam(click.ParamType):
+    """A policy's weight: a number in [1e-6, 1e6], or ``none``."""
+
+    name = "weight|none"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.strip().lower() == "none":
+            return "none"
+        try:
+            weight = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number or none", param, ctx)
+        if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+            self.fail(f"{value!r} is not in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]", param, ctx)
+        return weight
 
 
 class JsonAwareCommand(click.Command):

@@ -1,8 +1,13 @@
-"""The human-readable rendering of ``kvdaemon status``.
+"""The human-readable rendering of ``kvdaemon status``, fit for 80 columns.
 
-Takes the status object of DESIGN.md §13 (what ``KVClient.status()``
-returns) and renders a summary line plus one table row per tenant, sizes in
-binary units. Pure apart from writing to the given console; O(tenants).
+Takes the status object (what ``KVClient.status()`` returns; README "status
+--json") and renders two header lines (the daemon: version, directory, pid,
+uptime, backend, device; the pool: capacity, free, page, tenants), one table
+row per tenant (state in words, sizes in at most six characters), then a note
+per tenant that needs attention: over its limit and what it still owes, grows
+refused, an active tenant that cannot be slept; and the operator's policies
+(``kvdaemon limit``, the config file's ``[tenants]``), with the names not
+registered yet. Pure apart from writing to the given console; O(tenants).
 """
 
 from __future__ import annotations
@@ -14,46 +19,46 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvdaemon.wire.sizes import format_bytes
+from kvdaemon.wire.sizes import format_bytes, format_bytes_short
 
 COLUMNS = ("name", "pid", "state", "mapped", "in use", "limit", "min", "weight", "idle")
 NUMERIC = {"pid", "mapped", "in use", "limit", "min", "weight", "idle"}
+NAME_WIDTH = 16
+STATE_WORDS = {"active": "active", "sleeping-warm": "asleep (warm)", "sleeping-cold": "asleep (cold)"}
+POLICY_FIELDS = ("max", "min", "weight")
 
 
-def summary_line(dir: Path, status: dict[str, Any]) -> str:
-    """``kvdaemon at DIR: backend host, capacity 1.00 GiB, free 512.0 MiB (50%), ...``."""
+def header_lines(dir: Path, status: dict[str, Any]) -> list[str]:  # noqa: A002
+    """``kvdaemon 0.1.0 at DIR (pid N, up 3m05s): backend host, device 0`` and
+    ``capacity 4.00 GiB, free 1.00 GiB (25%), page 2.00 MiB, 2 tenant(s)``."""
     capacity, free = status["capacity_bytes"], status["free_bytes"]
     share = f"{100 * free / capacity:.0f}%" if capacity else "-"
-    return (
-        f"kvdaemon at {dir}: backend {status['backend']}, "
+    version = f" {status['version']}" if status.get("version") else ""
+    process = [f"pid {status['pid']}"] if status.get("pid") else []
+    if status.get("uptime_seconds") is not None:
+        process.append(f"up {format_duration(float(status['uptime_seconds']))}")
+    where = f" ({', '.join(process)})" if process else ""
+    device = f", device {status['device']}" if status.get("device") is not None else ""
+    return [
+        f"kvdaemon{version} at {dir}{where}: backend {status['backend']}{device}",
         f"capacity {format_bytes(capacity)}, free {format_bytes(free)} ({share}), "
-        f"page {format_bytes(status['page_size'])}, {len(status['tenants'])} tenant(s)"
-    )
+        f"page {format_bytes(status['page_size'])}, {len(status['tenants'])} tenant(s)",
+    ]
 
 
 def tenant_table(tenants: list[dict[str, Any]]) -> Table:
-    """One row per tenant, in the order given, with the columns of ``COLUMNS``; plus an
-    ``owes`` column (bytes mapped above the limit) when some tenant is over its limit."""
-    table = Table(box=None, pad_edge=False, header_style="bold")
+    """One row per tenant, in the order given, with the columns of ``COLUMNS``."""
+    table = Table(box=None, pad_edge=False, padding=(0, 1), collapse_padding=True,
+                  header_style="bold")  # fmt: skip
     for column in COLUMNS:
-        table.add_column(column, justify="right" if column in NUMERIC else "left", no_wrap=True)
-    any_over = any(owed_bytes(tenant) for tenant in tenants)
-    if any_over:
-        table.add_column("owes", justify="right", no_wrap=True)
+        table.add_column(
+            column, justify="right" if column in NUMERIC else "left", no_wrap=True,
+            max_width=NAME_WIDTH if column == "name" else None,
+            overflow="ellipsis",
+        )  # fmt: skip
     for tenant in tenants:
-        cells = [Text(cell) for cell in tenant_row(tenant)]  # names are not markup
-        if any_over:
-            owed = owed_bytes(tenant)
-            cells.append(Text(format_bytes(owed), style="bold red") if owed else Text("-"))
-        table.add_row(*cells)
+        table.add_row(*(Text(cell) for cell in tenant_row(tenant)))  # names are not markup
     return table
-
-
-def owed_bytes(tenant: dict[str, Any]) -> int:
-    """Bytes mapped above the tenant's limit (0 without a limit or under it): what a
-    limit lowered under its mapping still has to take back."""
-    limit = tenant.get("max_bytes")
-    return 0 if limit is None else max(0, int(tenant["mapped_bytes"]) - int(limit))
 
 
 def tenant_row(tenant: dict[str, Any]) -> list[str]:
@@ -62,30 +67,100 @@ def tenant_row(tenant: dict[str, Any]) -> list[str]:
     return [
         str(tenant["name"]),
         str(tenant["pid"]),
-        str(tenant["state"]),
-        format_bytes(tenant["mapped_bytes"]),
-        format_bytes(tenant["used_bytes"]),
-        "none" if limit is None else format_bytes(limit),
-        format_bytes(tenant["min_bytes"]),
+        state_words(str(tenant["state"])),
+        format_bytes_short(int(tenant["mapped_bytes"])),
+        format_bytes_short(int(tenant["used_bytes"])),
+        "none" if limit is None else format_bytes_short(int(limit)),
+        format_bytes_short(int(tenant["min_bytes"])),
         f"{tenant['weight']:g}",
-        format_duration(tenant["idle_seconds"]),
+        format_duration(float(tenant["idle_seconds"])),
     ]
 
 
+def state_words(state: str) -> str:
+    """``active``, ``asleep (warm)``, ``asleep (cold)``; another state with its dashes as spaces."""
+    return STATE_WORDS.get(state, state.replace("-", " "))
+
+
+def owed_bytes(tenant: dict[str, Any]) -> int:
+    """Bytes mapped above the tenant's limit (0 without a limit or under it): what a
+    limit lowered under its mapping still has to take back."""
+    if "over_limit_bytes" in tenant:
+        return int(tenant["over_limit_bytes"])
+    limit = tenant.get("max_bytes")
+    return 0 if limit is None else max(0, int(tenant["mapped_bytes"]) - int(limit))
+
+
+def cannot_sleep(tenant: dict[str, Any]) -> bool:
+    """An active tenant whose engine cannot be quiesced: `kvdaemon sleep` is refused."""
+    return tenant.get("state") == "active" and tenant.get("sleepable") is False
+
+
+def tenant_notes(tenant: dict[str, Any]) -> list[str]:
+    """What needs an operator's attention about ``tenant`` (empty when nothing does)."""
+    notes = []
+    owed = owed_bytes(tenant)
+    if owed:
+        limit = format_bytes(int(tenant["max_bytes"]))
+        notes.append(f"owes {format_bytes(owed)} over its {limit} limit")
+    refused = int(tenant.get("refused_grows", 0))
+    if refused:
+        notes.append(f"{refused} grow(s) refused")
+    if cannot_sleep(tenant):
+        notes.append("cannot be slept (no quiesce hook)")
+    return notes
+
+
+def describe_policy(policy: dict[str, Any]) -> str:
+    """``max 40% (config), weight 2 (limit)`` from a ``status`` policy row or a
+    ``limit`` reply's ``policy`` (the sources only where given)."""
+    sources = policy.get("sources") or {}
+    parts = []
+    for field in POLICY_FIELDS:
+        value = policy.get(field)
+        if value is None:
+            continue
+        if isinstance(value, str):
+            shown = value  # "40%" or "none"
+        elif field == "weight":
+            shown = f"{value:g}"
+        else:
+            shown = format_bytes(int(value))
+        source = f" ({sources[field]})" if field in sources else ""
+        parts.append(f"{field} {shown}{source}")
+    return ", ".join(parts) or "none"
+
+
 def format_duration(seconds: float) -> str:
-    """``0s``, ``42s``, ``3m05s``, ``2h07m``: whole seconds, two units at most."""
+    """``0s``, ``42s``, ``3m05s``, ``2h07m``, ``3d04h``: whole seconds, two units at most."""
     whole = int(seconds)
     if whole < 60:
         return f"{whole}s"
     if whole < 3600:
         return f"{whole // 60}m{whole % 60:02d}s"
-    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    if whole < 100 * 3600:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
 
 
-def render(console: Console, dir: Path, status: dict[str, Any]) -> None:
-    """Print the summary line, then the tenant table (or a note that there are none)."""
-    console.print(Text(summary_line(dir, status)), highlight=False, soft_wrap=True)
-    if status["tenants"]:
-        console.print(tenant_table(status["tenants"]))
+def render(console: Console, dir: Path, status: dict[str, Any]) -> None:  # noqa: A002
+    """Print the header lines, the tenant table (or that there are none), the notes and
+    the policies."""
+    for line in header_lines(dir, status):
+        console.print(Text(line), highlight=False, soft_wrap=True)
+    tenants = status["tenants"]
+    if tenants:
+        console.print(tenant_table(tenants))
     else:
         console.print("no tenants registered", highlight=False)
+    for tenant in tenants:
+        notes = tenant_notes(tenant)
+        if notes:
+            console.print(Text(f"{tenant['name']}: {'; '.join(notes)}"), highlight=False)
+    policies = status.get("policies") or []
+    if policies:
+        console.print(Text("operator policies (kvdaemon limit; [tenants] of the config file):"))
+    for policy in policies:
+        waiting = "" if policy.get("registered") else "; not registered yet"
+        line = f"  {policy['name']}: {describe_policy(policy)}{waiting}"
+        console.print(Text(line), highlight=False)

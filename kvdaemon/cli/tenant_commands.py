@@ -15,13 +15,13 @@ from rich.console import Console
 
 from kvdaemon.cli import reach, status_view
 from kvdaemon.cli.options import (
-    JsonAwareCommand, SizeParam, command_help, daemon_dir, daemon_options,
+    JsonAwareCommand, PolicySizeParam, WeightParam, command_help, daemon_dir, daemon_options,
 )  # fmt: skip
 from kvdaemon.cli.output import emit, reporting
 from kvdaemon.cli.tenant_wait import wait_for_tenants
 from kvdaemon.client import KVClient
 from kvdaemon.errors import BadRequest, UnknownTenant
-from kvdaemon.wire.sizes import SizeSpec, format_bytes
+from kvdaemon.wire.sizes import format_bytes
 
 PIPE_WIDTH = 200
 SLEEP_TIMEOUT_S = 60.0
@@ -46,13 +46,15 @@ def status(names: tuple[str, ...], dir_flag: Path | None, config_file: Path | No
     """Show capacity, free memory and every tenant, or only the tenants NAME...
 
     A NAME that is not registered is an error (UNKNOWN_TENANT, exit 3).
-    --json prints the daemon's status object with its tenants filtered.
+    --json prints the daemon's status object with its tenants and policies
+    filtered; README "What status --json says" describes every field.
     """
     root = daemon_dir(dir_flag, config_file)
     with reach.talking(root) as client:
         snapshot = client.status()
     if names:
-        snapshot = {**snapshot, "tenants": _only(snapshot["tenants"], names)}
+        policies = [p for p in snapshot.get("policies", []) if p["name"] in names]
+        snapshot = {**snapshot, "tenants": _only(snapshot["tenants"], names), "policies": policies}
     if as_json:
         emit(True, {"dir": str(root), **snapshot}, "")
         return
@@ -78,46 +80,89 @@ def _tenant(client: KVClient, name: str) -> dict[str, Any]:
 
 @click.command(
     cls=JsonAwareCommand,
-    short_help="Change a tenant's limit, guarantee or weight.",
-    epilog=command_help("kvdaemon limit llama-a --max 8GiB --min 1GiB\nkvdaemon limit qwen-b --max 40%"),
+    short_help="Set a tenant's limit, guarantee or weight (kept across restarts).",
+    epilog=command_help("""
+kvdaemon limit llama-a --max 8GiB --min 1GiB
+kvdaemon limit qwen-b --max 40%        # before qwen-b registers: applied when it does
+kvdaemon limit qwen-b --max none       # remove the limit
+kvdaemon limit qwen-b --reset          # forget what `limit` set: the config file's apply
+"""),
 )
 @click.argument("name")
-@click.option("--max", "max_size", type=SizeParam(),
-              help="Limit: bytes, 8GiB, or a percentage of the daemon's capacity.")
-@click.option("--min", "min_size", type=SizeParam(),
-              help="Guarantee: bytes, 1GiB, or a percentage of the daemon's capacity.")
-@click.option("--weight", type=click.FloatRange(min=0, min_open=True),
-              help="Share of contended memory, relative to other tenants.")
+@click.option("--max", "max_size", type=PolicySizeParam(),
+              help="Limit: bytes, 8GiB, a percentage of the daemon's capacity, or none.")
+@click.option("--min", "min_size", type=PolicySizeParam(),
+              help="Guarantee: bytes, 1GiB, a percentage of the daemon's capacity, or none.")
+@click.option("--weight", type=WeightParam(),
+              help="Share of contended memory, relative to other tenants, or none.")
+@click.option("--reset", is_flag=True,
+              help="Forget what `kvdaemon limit` set for NAME; its [tenants.NAME] of the "
+                   "config file applies again.")
 @daemon_options
 @reporting
-def limit(name: str, max_size: SizeSpec | None, min_size: SizeSpec | None,
-          weight: float | None, dir_flag: Path | None, config_file: Path | None,
+def limit(name: str, max_size: str | None, min_size: str | None, weight: float | str | None,
+          reset: bool, dir_flag: Path | None, config_file: Path | None,
           as_json: bool) -> None:  # fmt: skip
-    """Change a tenant's limit, guarantee or weight; takes effect at once.
+    """Set the operator's policy for tenant NAME, registered or not: its limit
+    (--max), guarantee (--min) and weight. A registered tenant gets it at once;
+    a name not registered yet gets it when it registers. The daemon keeps it
+    across restarts (in its directory); it wins over the config file's
+    [tenants.NAME]. A tenant's own request is bounded by the policy.
 
-    A percentage is of the daemon's capacity. A tenant above a lowered limit
-    gives pages back; until it has, `status` and `top` show what it owes.
+    A percentage is of the daemon's capacity; `none` removes that field of the
+    policy (the tenant's own value applies). A limit above the capacity is
+    clamped, and said so. A tenant above a lowered limit gives pages back;
+    until it has, `status` and `top` show what it owes.
     """
-    if max_size is None and min_size is None and weight is None:
-        raise click.UsageError("give at least one of --max, --min, --weight")
+    if max_size is None and min_size is None and weight is None and not reset:
+        raise click.UsageError("give at least one of --max, --min, --weight, --reset")
+    args: dict[str, Any] = {"name": name, "max": max_size, "min": min_size, "weight": weight}
+    args = {key: value for key, value in args.items() if value is not None}
+    if reset:
+        args["reset"] = True
     root = daemon_dir(dir_flag, config_file)
     with reach.talking(root) as client:
-        capacity_bytes = int(client.hello()["capacity_bytes"])
-        applied = client.set_limit(
-            name,
-            max_bytes=None if max_size is None else max_size.resolve(capacity_bytes),
-            min_bytes=None if min_size is None else min_size.resolve(capacity_bytes),
-            weight=weight,
-        )
-        row = _tenant(client, name)
-    revision = applied.get("revision")
-    cells = dict(zip(status_view.COLUMNS, status_view.tenant_row(row)))
-    result = {"name": name, "revision": revision, "max_bytes": row.get("max_bytes"),
-              "min_bytes": row.get("min_bytes"), "weight": row.get("weight")}  # fmt: skip
-    emit(as_json, result, (
-        f"{name}: limit {cells['limit']}, min {cells['min']}, weight {cells['weight']} "
-        f"(revision {revision})"
-    ))  # fmt: skip
+        applied = client.call("set_limit", args)
+        row = _tenant(client, name) if applied.get("registered") else None
+    result = limit_result(name, applied, row)
+    emit(as_json, result, limit_text(result))
+
+
+def limit_result(name: str, applied: dict[str, Any], row: dict[str, Any] | None) -> dict[str, Any]:
+    """The JSON of ``kvdaemon limit``: the tenant's limits now (``null`` until it registers),
+    its policy, what was clamped, and what it owes over its limit."""
+    limits = applied.get("limit") or {}
+    return {
+        "name": name, "registered": bool(applied.get("registered")),
+        "revision": applied.get("revision"),
+        "max_bytes": limits.get("max_bytes"), "min_bytes": limits.get("min_bytes"),
+        "weight": limits.get("weight"),
+        "over_limit_bytes": None if row is None else status_view.owed_bytes(row),
+        "policy": applied.get("policy"), "clamped": applied.get("clamped", []),
+    }  # fmt: skip
+
+
+def limit_text(result: dict[str, Any]) -> str:
+    """``llama-a: limit 8.00 GiB, min 0 B, weight 1 (revision 2)`` and what was clamped
+    or is owed; for a name not registered, the policy kept for it."""
+    name = result["name"]
+    described = status_view.describe_policy(result["policy"] or {})
+    policy = "no operator policy" if described == "none" else f"policy {described}"
+    if not result["registered"]:
+        kept = "kept, applied when it registers" if described != "none" else "for it"
+        head = f"{name}: not registered; {policy} {kept}"
+    else:
+        head = (f"{name}: limit {format_bytes(result['max_bytes'])}, min "
+                f"{format_bytes(result['min_bytes'])}, weight {result['weight']:g} "
+                f"(revision {result['revision']}; {policy})")  # fmt: skip
+    lines = [head]
+    for clamp in result["clamped"]:
+        lines.append(f"{name}: {clamp['field']} {format_bytes(clamp['requested_bytes'])} clamped to "
+                     f"{format_bytes(clamp['applied_bytes'])} ({clamp['reason']})")  # fmt: skip
+    if result["over_limit_bytes"]:
+        lines.append(f"{name}: owes {format_bytes(result['over_limit_bytes'])} over its limit; "
+                     "asked to give it back")  # fmt: skip
+    return "\n".join(lines)
 
 
 @click.command(
@@ -135,22 +180,28 @@ def sleep(name: str, cold: bool, dir_flag: Path | None, config_file: Path | None
 
     Warm (the default) keeps its KV in host memory and restores it on wake at
     the same addresses; --cold drops it. A tenant already asleep that way is
-    left as it is (exit 0). An engine that registered with auto-wake (as the
-    transformers Engine does) wakes again at its next step with work.
+    left as it is (exit 0), and so is a cold sleeper asked to sleep warm (its KV
+    is gone); --cold of a warm sleeper drops its host copy ("dropped_host_bytes").
+    An engine that registered with auto-wake (as the transformers Engine does)
+    wakes again at its next step with work.
     """
     mode = "cold" if cold else "warm"
     with reach.talking(daemon_dir(dir_flag, config_file)) as client:
         row = _tenant(client, name)
-        if row["state"] == f"sleeping-{mode}":
-            result = {"name": name, "state": row["state"], "changed": False,
-                      "host_bytes": int(row.get("host_bytes", 0))}  # fmt: skip
-            emit(as_json, result, f"{name}: already {row['state']}; nothing to do")
-            return
-        slept = client.sleep(name, mode, timeout_s=SLEEP_TIMEOUT_S)
-    result = {"name": name, "state": slept["state"], "changed": True,
+        before = {"state": row["state"], "host_bytes": int(row.get("host_bytes", 0)), "already": True}
+        same = row["state"] == f"sleeping-{mode}"
+        slept = before if same else client.sleep(name, mode, timeout_s=SLEEP_TIMEOUT_S)
+    result = {"name": name, "state": slept["state"], "changed": not slept.get("already"),
               "host_bytes": int(slept.get("host_bytes", 0))}  # fmt: skip
-    kept = "" if cold else f", {format_bytes(result['host_bytes'])} kept in host memory"
-    emit(as_json, result, f"{name}: {slept['state']}{kept}")
+    if not result["changed"]:
+        emit(as_json, result, f"{name}: already {slept['state']}; nothing to do")
+    elif row["state"] == "sleeping-warm":  # --cold of a warm sleeper: its host copy dropped
+        result["dropped_host_bytes"] = before["host_bytes"]
+        emit(as_json, result, f"{name}: {slept['state']} (was sleeping-warm; its host copy of "
+                              f"{format_bytes(before['host_bytes'])} dropped)")  # fmt: skip
+    else:
+        kept = "" if cold else f", {format_bytes(result['host_bytes'])} kept in host memory"
+        emit(as_json, result, f"{name}: {slept['state']}{kept}")
 
 
 @click.command(

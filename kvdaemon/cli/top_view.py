@@ -3,10 +3,12 @@
 Takes the status object of DESIGN.md §13 (what ``KVClient.status()``
 returns) and builds two header lines (where, backend, page, tenants; capacity,
 free and a bar of the mapped share), one row per tenant and a help line. A
-row shows the tenant's state in words, its sizes in at most six characters,
-a bar of mapped bytes against its limit (against the capacity without one),
-its idle time, and what it owes: the bytes it maps above a limit lowered under
-it (``-`` when none), in red. Names longer than the column are cut with an
+row shows the tenant's state in words (``active*``: it cannot be slept, its
+engine has no quiesce hook; a legend line says so), its sizes in at most six
+characters, a short bar and the share of mapped bytes against its limit
+(against the capacity without one), its idle time, what it owes (the bytes it
+maps above a limit lowered under it, in red; ``-`` when none) and how many of
+its grows were refused. Names longer than the column are cut with an
 ellipsis; everything else fits in 80 columns. Pure: builds renderables, prints
 nothing, reads no clock; O(tenants log tenants).
 """
@@ -21,15 +23,16 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvdaemon.cli.status_view import format_duration, owed_bytes
+from kvdaemon.cli.status_view import cannot_sleep, format_duration, owed_bytes, state_words
 from kvdaemon.wire.sizes import format_bytes, format_bytes_short
 
 BAR_WIDTH = 20
-ROW_BAR_WIDTH = 8
-NAME_WIDTH = 18
+ROW_BAR_WIDTH = 3
+NAME_WIDTH = 14
 FILLED, EMPTY = "█", "░"
 UNREACHABLE = "daemon unreachable"
-STATE_WORDS = {"active": "active", "sleeping-warm": "asleep (warm)", "sleeping-cold": "asleep (cold)"}
+NO_SLEEP_MARK = "*"
+NO_SLEEP_LEGEND = "* cannot be slept: its engine has no quiesce hook"
 
 # sort key name -> (key letter, function of a tenant, descending?)
 SORTS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], bool]] = {
@@ -59,6 +62,8 @@ def frame(
         parts.extend(header(dir, status))
         tenants = sorted_tenants(status["tenants"], sort)
         parts.append(tenant_table(status, tenants) if tenants else Text("no tenants registered"))
+        if any(cannot_sleep(tenant) for tenant in tenants):
+            parts.append(Text(NO_SLEEP_LEGEND, style="dim"))
     if footer:
         parts.append(Text(footer, style="dim"))
     return Group(*parts)
@@ -110,27 +115,26 @@ def tenant_table(status: dict[str, Any], tenants: list[dict[str, Any]]) -> Table
     table.add_column("of limit", no_wrap=True)
     table.add_column("idle", justify="right", no_wrap=True)
     table.add_column("owes", justify="right", no_wrap=True)
+    table.add_column("refused", justify="right", no_wrap=True)
     capacity = status["capacity_bytes"]
     for tenant in tenants:
         limit = tenant.get("max_bytes")
         mapped = int(tenant["mapped_bytes"])
         owed = owed_bytes(tenant)
+        refused = int(tenant.get("refused_grows", 0))
+        mark = NO_SLEEP_MARK if cannot_sleep(tenant) else ""
         table.add_row(
             Text(str(tenant["name"])),  # names are not markup
-            Text(state_words(str(tenant["state"]))),
+            Text(state_words(str(tenant["state"])) + mark),
             format_bytes_short(mapped),
             format_bytes_short(int(tenant["used_bytes"])),
             "none" if limit is None else format_bytes_short(int(limit)),
             usage_bar(mapped, capacity if limit is None else int(limit), width=ROW_BAR_WIDTH),
             format_duration(float(tenant["idle_seconds"])),
             Text(format_bytes_short(owed), style="bold red") if owed else Text("-", style="dim"),
+            Text(str(refused), style="yellow") if refused else Text("-", style="dim"),
         )
     return table
-
-
-def state_words(state: str) -> str:
-    """``active``, ``asleep (warm)``, ``asleep (cold)``; another state with its dashes as spaces."""
-    return STATE_WORDS.get(state, state.replace("-", " "))
 
 
 def usage_bar(used: int, total: int, width: int = BAR_WIDTH) -> Text:

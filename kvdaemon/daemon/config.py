@@ -5,13 +5,17 @@ variables over a TOML file over the defaults, validates every value (raising
 ``ConfigError`` that names the source and the value) and returns a
 :class:`DaemonConfig` that the rest of the daemon receives as-is. Keys are
 spelled like the flags (``page-size`` for ``--page-size``; ``page_size`` is
-read as the same key); ``deploy/kvdaemon.toml`` lists every one.
+read as the same key); ``deploy/kvdaemon.toml`` lists every one. The file's
+``[tenants.NAME]`` tables (``max``, ``min``, ``weight``) are operator policies
+for tenant names (``kvdaemon.daemon.policies``); they have no flag or variable
+of their own.
 ``DaemonConfig.to_argv`` writes it back as flags, so a detached start can hand
 exactly the resolved configuration to its child process.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdaemon.daemon import config_values as values
+from kvdaemon.daemon.policies import Policy
 from kvdaemon.errors import ConfigError
 from kvdaemon.wire.paths import DaemonPaths, default_dir
 from kvdaemon.wire.sizes import SizeSpec, format_bytes, percent_of
@@ -57,6 +62,8 @@ class DaemonConfig:
     reclaim_wait_s: float = 2.0  # the longest a grow may wait for other tenants' pages
     reclaim_escalate_s: float = 0.25  # then every victim is asked; at twice this one sleeps
     attach_timeout_s: float = 10.0  # a registered tenant must attach its handle channel within this
+    # Operator policies by tenant name ([tenants.NAME] of the config file), sorted by name.
+    tenants: tuple[tuple[str, Policy], ...] = ()
 
     def __post_init__(self) -> None:
         values.check_dir(self.dir)
@@ -70,6 +77,11 @@ class DaemonConfig:
         values.check_idle_mode(self.idle_mode)
         values.check_log_level(self.log_level)
         values.check_log_file(self.log_file)
+        values.check_tenants(self.tenants)
+
+    @property
+    def tenant_policies(self) -> dict[str, Policy]:
+        return dict(self.tenants)
 
     @property
     def paths(self) -> DaemonPaths:
@@ -120,6 +132,8 @@ class DaemonConfig:
             argv += ["--no-reclaim-sleep"]
         if self.log_file is not None:
             argv += ["--log-file", str(self.log_file)]
+        for name, policy in self.tenants:
+            argv += [TENANT_FLAG, json.dumps({"name": name, **policy.to_json()})]
         return argv
 
 
@@ -130,12 +144,16 @@ def load_config(
 
     ``flags`` and the file use the keys of ``KEYS`` (``-`` or ``_`` alike); a
     ``None`` flag is unset. ``metrics-address`` and ``metrics-port`` (which
-    means ``127.0.0.1:PORT``) exclude each other. Raises ``ConfigError`` for an
-    unknown key, an unreadable file or any invalid value, naming where the
-    value came from. Reads ``file`` once.
+    means ``127.0.0.1:PORT``) exclude each other. Tenant policies come from the
+    file's ``[tenants]``, or all from the flag ``tenant-policy`` (JSON objects,
+    how ``to_argv`` hands them to a detached daemon) when that is given.
+    Raises ``ConfigError`` for an unknown key, an unreadable file or any
+    invalid value, naming where the value came from. Reads ``file`` once.
     """
+    flags = dict(flags)
+    policy_flags = flags.pop(TENANT_FLAG[2:], None)
     flags = {key: value for key, (_, value) in _normalised(flags, "setting").items()}
-    file_values = _read_toml(file) if file is not None else {}
+    file_values, file_tenants = _read_toml(file) if file is not None else ({}, None)
     settings: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for key, spec in KEYS.items():
@@ -151,6 +169,10 @@ def load_config(
     address = settings.pop("metrics_address", None)
     if address is not None:
         settings["metrics_host"], settings["metrics_port"] = address
+    if policy_flags:
+        settings["tenants"] = _parse_from(TENANT_FLAG, values.parse_tenant_flags, policy_flags)
+    elif file_tenants is not None:
+        settings["tenants"] = _parse_from(f"{file}: tenants", values.parse_tenants, file_tenants)
     return DaemonConfig(**settings)
 
 
@@ -161,10 +183,13 @@ def dir_from(flag: str | Path | None, env: Mapping[str, str], file: Path | None 
         return _parse_from("--dir", values.parse_dir, flag)
     if env.get("KVDAEMON_DIR"):
         return _parse_from("KVDAEMON_DIR", values.parse_dir, env["KVDAEMON_DIR"])
-    file_values = _read_toml(file) if file is not None else {}
+    file_values = _read_toml(file)[0] if file is not None else {}
     if "dir" in file_values:
         return _parse_from(f"{file}: dir", values.parse_dir, file_values["dir"][1])
     return values.parse_dir(default_dir())
+
+
+TENANT_FLAG = "--tenant-policy"  # hidden: how a detached start hands [tenants] to its child
 
 
 @dataclass(frozen=True)
@@ -203,8 +228,9 @@ def _parse_from(source: str, parse: Callable[[Any], Any], raw: Any) -> Any:
         raise ConfigError(f"{source}: {err.message}{given}") from err
 
 
-def _read_toml(file: Path) -> dict[str, tuple[str, Any]]:
-    """The file's keys (as ``KEYS`` spells them) -> (spelling in the file, value)."""
+def _read_toml(file: Path) -> tuple[dict[str, tuple[str, Any]], Any]:
+    """The file's keys (as ``KEYS`` spells them) -> (spelling in the file, value), and
+    its ``tenants`` table (``None`` without one)."""
     try:
         with open(file, "rb") as stream:
             table = tomllib.load(stream)
@@ -212,7 +238,8 @@ def _read_toml(file: Path) -> dict[str, tuple[str, Any]]:
         raise ConfigError(f"cannot read config file {file}: {err.strerror}") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {file} is not valid TOML: {err}") from err
-    return _normalised(table, f"config file {file}: key")
+    tenants = table.pop("tenants", None)
+    return _normalised(table, f"config file {file}: key"), tenants
 
 
 def _normalised(given: Mapping[str, Any], what: str) -> dict[str, tuple[str, Any]]:

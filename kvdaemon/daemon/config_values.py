@@ -9,10 +9,14 @@ Pure and O(length of the value), except ``check_dir``'s path arithmetic.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvdaemon.errors import ConfigError
+from kvdaemon.daemon.policies import Policy, check_consistent, parse_policy
+from kvdaemon.daemon.tenant import check_name
+from kvdaemon.errors import ConfigError, KVDaemonError
 from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.sizes import SizeSpec, parse_size
 
@@ -141,6 +145,39 @@ def parse_log_level(raw: Any) -> str:
     return check_log_level(raw.strip().upper())
 
 
+def parse_tenants(raw: Any) -> tuple[tuple[str, Policy], ...]:
+    """The ``[tenants.NAME]`` tables of a config file: ``max``, ``min``, ``weight`` each."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"tenants must be tables [tenants.NAME], got {raw!r}")
+    policies = []
+    for name, table in raw.items():
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"tenants.{name} must be a table of max, min, weight, got {table!r}")
+        policies.append((_tenant_name(name), parse_policy(table, f"tenants.{name}")))
+    return check_tenants(tuple(sorted(policies, key=lambda item: item[0])))
+
+
+def parse_tenant_flags(raw: Sequence[str]) -> tuple[tuple[str, Policy], ...]:
+    """Policies given as JSON objects ``{"name": ..., "max": ..., ...}`` (``to_argv``'s form)."""
+    table: dict[str, Any] = {}
+    for text in raw:
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"a tenant policy must be a JSON object, got {text!r}") from err
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise ConfigError(f"a tenant policy needs a \"name\", got {text!r}")
+        table[item.pop("name")] = item
+    return parse_tenants(table)
+
+
+def _tenant_name(name: str) -> str:
+    try:
+        return check_name(name)
+    except KVDaemonError as err:
+        raise ConfigError(err.message) from err
+
+
 # -- checks on typed values (shared by the parsers and DaemonConfig.__post_init__) ----------
 
 
@@ -230,3 +267,13 @@ def check_log_level(level: str) -> str:
     if level not in LOG_LEVELS:
         raise ConfigError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
     return level
+
+
+def check_tenants(tenants: tuple[tuple[str, Policy], ...]) -> tuple[tuple[str, Policy], ...]:
+    if not isinstance(tenants, tuple) or not all(
+        isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], Policy) for item in tenants
+    ):
+        raise ConfigError(f"tenants must be (name, Policy) pairs, got {tenants!r}")
+    for name, policy in tenants:
+        check_consistent(policy, f"tenants.{name}")
+    return tenants

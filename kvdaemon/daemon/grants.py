@@ -50,6 +50,7 @@ class Grants:
         started = time.perf_counter()
         num_pages = self.num_grantable(tenant, candidates, min_pages)
         result = self.grant(tenant, candidates[:num_pages], now)
+        tenant.note_grown(num_pages)
         if self.on_grant is not None:
             self.on_grant(time.perf_counter() - started, num_pages * tenant.spec.num_segments)
         return result
@@ -141,6 +142,7 @@ class Grants:
             self.pages.free([p.page_id for p in tenant.logical[lp]])
             del tenant.logical[lp]
         tenant.touch(now)
+        tenant.note_shrunk(len(wanted))
         if self.on_shrink is not None:
             self.on_shrink(len(wanted) * tenant.spec.num_segments)
         return {"num_released": len(wanted), "mapped_bytes": tenant.mapped_bytes}

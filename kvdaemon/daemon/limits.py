@@ -1,43 +1,66 @@
-"""Tenant limits: ``max_bytes``, ``min_bytes``, ``weight``, changed by revision.
+"""Tenant limits: ``max_bytes``, ``min_bytes``, ``weight``, from the tenant's own request
+bounded by the operator's policy (``kvdaemon.daemon.policies``), changed by revision.
 
-A ``set_limit`` carries an optional revision R (default: the current one + 1):
+``set_limit`` without a token is the operator's: it changes the policy of a
+tenant *name* (``PolicyBook``), registered or not, and a registered tenant's
+limits at once. Fields: ``max``/``min`` (a size: ``8GiB``, ``40%`` of the
+capacity, bytes, or ``none`` to remove it), ``max_bytes``/``min_bytes``
+(bytes), ``weight`` (a number or ``none``), ``reset`` (forget what ``limit``
+set). With the tenant's ``token`` it changes the tenant's own request instead
+(bytes only), still bounded by the policy; nothing is kept then.
+
+A registered tenant's limits change by revision R (default: the current + 1):
 
 - R newer than the tenant's: applied, R becomes current;
-- R equal with the same values: applied again, nothing changes (idempotent retry);
-- R equal with other values: ``CONFLICT``;
+- R equal with the same limits: applied again, nothing changes (idempotent retry);
+- R equal with other limits: ``CONFLICT``;
 - R older: ``STALE``.
 
-Every field is checked before anything changes. ``max_bytes`` is capped at the
-pool's capacity; the sum of all ``min_bytes`` must fit in it.
+A name that is not registered has no revision: its policy is stored (the
+revision is not checked) and applied when a tenant of that name registers.
+Every field is checked, and the policy written to disk, before anything
+changes; a refused request changes nothing. A policy's min above its max is
+``BAD_REQUEST``; a max above the capacity, or a tenant's own min above the
+policy's max, is clamped and the reply says so (``clamped``). The sum of all
+``min_bytes`` must fit in the capacity (``NO_MEMORY``).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
+from kvdaemon.daemon.grants import Grants
+from kvdaemon.daemon.policies import (
+    EMPTY, MAX_WEIGHT, MIN_WEIGHT, Bounded, Limits, OwnLimits, Policy, bound, request_policy,
+)  # fmt: skip
+from kvdaemon.daemon.policy_book import PolicyBook
+from kvdaemon.daemon.ports import LeasePort, notify
+from kvdaemon.daemon.tenant import Tenant, Tenants, check_name
 from kvdaemon.errors import BadRequest, Conflict, NoMemory, StaleRevision
+from kvdaemon.wire.messages import LimitNotice
 from kvdaemon.wire.protocol import MAX_INT, Args
-from kvdaemon.daemon.tenant import Tenant
+from kvdaemon.wire.sizes import SizeSpec, format_bytes
 
-log = logging.getLogger("kvdaemon.daemon.limits")
-MAX_WEIGHT = 1e6
+log = logging.getLogger("kvdaemon.limits")
 
 
-def apply_limit(tenant: Tenant, args: Args, capacity_bytes: int, others_min_bytes: int) -> dict[str, Any]:
-    """Apply a ``set_limit`` request to ``tenant``; see the module docstring for revisions."""
-    old_max, old_min, old_weight = tenant.max_bytes, tenant.min_bytes, tenant.weight
-    max_bytes = args.opt_int("max_bytes", 0, MAX_INT)
-    min_bytes = args.opt_int("min_bytes", 0, MAX_INT)
-    weight = args.opt_float("weight", 1e-6, MAX_WEIGHT)
-    if max_bytes is None and min_bytes is None and weight is None:
-        raise BadRequest("set_limit needs at least one of max_bytes, min_bytes, weight")
-    values = (
-        old_max if max_bytes is None else min(max_bytes, capacity_bytes),
-        old_min if min_bytes is None else min_bytes,
-        old_weight if weight is None else weight,
-    )
-    revision = args.opt_int("revision", 1, MAX_INT)
+@dataclass(frozen=True)
+class LimitPlan:
+    """New limits for a tenant, checked and not yet applied (``commit_limit`` applies them)."""
+
+    tenant: Tenant
+    limits: Limits
+    revision: int
+    changed: bool
+
+
+def plan_limit(
+    tenant: Tenant, limits: Limits, revision: int | None, capacity_bytes: int, others_min_bytes: int
+) -> LimitPlan:
+    """Check ``limits`` for ``tenant`` at ``revision`` (module docstring); raise, or return
+    the plan."""
     if revision is None:
         revision = tenant.limit_revision + 1
     if revision < tenant.limit_revision:
@@ -45,16 +68,170 @@ def apply_limit(tenant: Tenant, args: Args, capacity_bytes: int, others_min_byte
             f"revision {revision} is older than {tenant.name!r}'s {tenant.limit_revision}"
         )
     if revision == tenant.limit_revision:
-        if values != (old_max, old_min, old_weight):
+        if limits != tenant.current_limits():
             raise Conflict(f"revision {revision} was already applied with other values")
-        return {"result": "applied", "revision": revision, "changed": False}
-    if values[1] > values[0]:
-        raise BadRequest(f"min_bytes {values[1]} exceeds max_bytes {values[0]}")
-    if others_min_bytes + values[1] > capacity_bytes:
+        return LimitPlan(tenant, limits, revision, changed=False)
+    if others_min_bytes + limits.min_bytes > capacity_bytes:
         raise NoMemory(
-            f"min_bytes {values[1]} does not fit next to {others_min_bytes} guaranteed"
+            f"min {format_bytes(limits.min_bytes)} does not fit next to "
+            f"{format_bytes(others_min_bytes)} guaranteed to others in {format_bytes(capacity_bytes)}"
         )
-    tenant.max_bytes, tenant.min_bytes, tenant.weight = values
-    tenant.limit_revision = revision
-    log.info("limits of %s now max=%d min=%d weight=%g (rev %d)", tenant.name, *values, revision)
-    return {"result": "applied", "revision": revision, "changed": True}
+    return LimitPlan(tenant, limits, revision, changed=True)
+
+
+def commit_limit(plan: LimitPlan) -> None:
+    """Apply a plan of ``plan_limit`` (nothing when it changes nothing)."""
+    if plan.changed:
+        tenant = plan.tenant
+        tenant.max_bytes, tenant.min_bytes, tenant.weight = (
+            plan.limits.max_bytes, plan.limits.min_bytes, plan.limits.weight,
+        )  # fmt: skip
+        tenant.limit_revision = plan.revision
+
+
+class Limiter:
+    """Limits at registration and on ``set_limit``, over the tenants and the policy book."""
+
+    def __init__(
+        self, tenants: Tenants, policies: PolicyBook, grants: Grants, leases: LeasePort,
+        capacity_bytes: int,
+    ) -> None:
+        self.tenants = tenants
+        self.policies = policies
+        self.grants = grants
+        self.leases = leases
+        self.capacity_bytes = capacity_bytes
+
+    def for_registration(self, name: str, own: OwnLimits) -> Bounded:
+        """The limits a tenant ``name`` asking ``own`` gets; ``NoMemory`` if its min does not fit."""
+        bounded = bound(own, self.policies.effective(name), self.capacity_bytes)
+        guaranteed = self.tenants.guaranteed_bytes()
+        if guaranteed + bounded.limits.min_bytes > self.capacity_bytes:
+            raise NoMemory(
+                f"min {format_bytes(bounded.limits.min_bytes)} of {name!r} does not fit: "
+                f"{format_bytes(guaranteed)} of {format_bytes(self.capacity_bytes)} "
+                "already guaranteed"
+            )
+        return bounded
+
+    def set_limit(self, args: Args, by_owner: Tenant | None) -> dict[str, Any]:
+        """Serve ``set_limit`` (module docstring); ``by_owner``: the tenant whose token it carries."""
+        if by_owner is not None:
+            return self._set_own(by_owner, args)
+        name = check_name(args.str("name"))
+        change = _policy_change(args)
+        reset = args.bool("reset")
+        if change.is_empty and not reset:
+            raise BadRequest("set_limit needs at least one of max, min, weight (or reset)")
+        revision = args.opt_int("revision", 1, MAX_INT)
+        layer = change.over(EMPTY if reset else self.policies.layer(name))
+        policy = self.policies.effective(name, layer)
+        self._check_policy(name, policy)
+        tenant = self.tenants.find(name)
+        if tenant is None:
+            bounded = bound(OwnLimits(None, 0, 1.0), policy, self.capacity_bytes)
+            self.policies.store(name, layer)
+            log.info("policy of %s (not registered) is now %s%s; applied when it registers",
+                     name, policy.settled().describe(), _clamps(bounded))  # fmt: skip
+            return {"result": "stored", "registered": False, "revision": None, "changed": True,
+                    **self._report(name, bounded, registered=False)}  # fmt: skip
+        assert tenant.own is not None
+        bounded = bound(tenant.own, policy, self.capacity_bytes)
+        plan = self._plan(tenant, bounded, revision)
+        self.policies.store(name, layer)
+        return self._commit(plan, bounded, "by an admin")
+
+    def _set_own(self, tenant: Tenant, args: Args) -> dict[str, Any]:
+        if any(args.has(key) for key in ("max", "min", "reset")):
+            raise BadRequest("a tenant changes its own limits in bytes: max_bytes, min_bytes, weight")
+        assert tenant.own is not None
+        max_bytes = args.opt_int("max_bytes", 0, MAX_INT)
+        min_bytes = args.opt_int("min_bytes", 0, MAX_INT)
+        weight = args.opt_float("weight", MIN_WEIGHT, MAX_WEIGHT)
+        if max_bytes is None and min_bytes is None and weight is None:
+            raise BadRequest("set_limit needs at least one of max_bytes, min_bytes, weight")
+        own = OwnLimits(
+            tenant.own.max_bytes if max_bytes is None else max_bytes,
+            tenant.own.min_bytes if min_bytes is None else min_bytes,
+            tenant.own.weight if weight is None else weight,
+        )
+        check_own(own, self.capacity_bytes)
+        bounded = bound(own, self.policies.effective(tenant.name), self.capacity_bytes)
+        plan = self._plan(tenant, bounded, args.opt_int("revision", 1, MAX_INT))
+        tenant.own = own
+        return self._commit(plan, bounded, "by the tenant itself")
+
+    def _plan(self, tenant: Tenant, bounded: Bounded, revision: int | None) -> LimitPlan:
+        others = self.tenants.guaranteed_bytes(other_than=tenant)
+        return plan_limit(tenant, bounded.limits, revision, self.capacity_bytes, others)
+
+    def _commit(self, plan: LimitPlan, bounded: Bounded, by: str) -> dict[str, Any]:
+        tenant = plan.tenant
+        before = tenant.current_limits()
+        commit_limit(plan)
+        if plan.changed:
+            notify(self.leases, tenant.tenant_id, LimitNotice(**tenant.limits()))
+            self.grants.ask_back_excess(tenant)
+            log.info("limits of %s set %s: %s (was %s; revision %d)%s%s", tenant.name, by,
+                     describe_limits(plan.limits), describe_limits(before), plan.revision,
+                     _clamps(bounded), _owing(tenant))  # fmt: skip
+        report = self._report(tenant.name, bounded, registered=True)
+        return {"result": "applied", "registered": True, "revision": plan.revision,
+                "changed": plan.changed, **report}  # fmt: skip
+
+    def _check_policy(self, name: str, policy: Policy) -> None:
+        settled = policy.settled()
+        if not isinstance(settled.min, SizeSpec) or not isinstance(settled.max, SizeSpec):
+            return
+        low, high = settled.min.resolve(self.capacity_bytes), settled.max.resolve(self.capacity_bytes)
+        if low > high:
+            raise BadRequest(
+                f"min {settled.min} ({format_bytes(low)}) of {name!r} exceeds its max "
+                f"{settled.max} ({format_bytes(high)}; `kvdaemon status` shows where each comes from)"
+            )
+
+    def _report(self, name: str, bounded: Bounded, registered: bool) -> dict[str, Any]:
+        """The reply's fields about ``name``: its limits (``None`` until it registers), its
+        policy and what was clamped."""
+        policy = self.policies.effective(name).to_json()
+        limits = bounded.limits
+        return {
+            "limit": {"max_bytes": limits.max_bytes, "min_bytes": limits.min_bytes,
+                      "weight": limits.weight} if registered else None,
+            "policy": {"max": policy.get("max"), "min": policy.get("min"),
+                       "weight": policy.get("weight")},
+            "clamped": [clamp.to_json() for clamp in bounded.clamped],
+        }  # fmt: skip
+
+
+def check_own(own: OwnLimits, capacity_bytes: int) -> None:
+    """``BadRequest`` when a tenant's own min exceeds its own max (or the capacity)."""
+    ceiling = capacity_bytes if own.max_bytes is None else min(own.max_bytes, capacity_bytes)
+    if own.min_bytes > ceiling:
+        raise BadRequest(f"min_bytes {own.min_bytes} exceeds max_bytes {ceiling}")
+
+
+def describe_limits(limits: Limits) -> str:
+    """``max 8.00 GiB, min 0 B, weight 1``."""
+    return (f"max {format_bytes(limits.max_bytes)}, min {format_bytes(limits.min_bytes)}, "
+            f"weight {limits.weight:g}")  # fmt: skip
+
+
+def _clamps(bounded: Bounded) -> str:
+    return "".join(f"; {clamp.describe()}" for clamp in bounded.clamped)
+
+
+def _owing(tenant: Tenant) -> str:
+    over = tenant.mapped_bytes - tenant.max_bytes
+    return f"; {format_bytes(over)} over it, asked back" if over > 0 else ""
+
+
+def _policy_change(args: Args) -> Policy:
+    """The policy fields of an operator's ``set_limit`` (``max_bytes``/``min_bytes``: exact sizes)."""
+    raw: dict[str, Any] = {key: args.raw(key) for key in ("max", "min", "weight")}
+    for key in ("max", "min"):
+        if args.has(f"{key}_bytes"):
+            if raw[key] is not None:
+                raise BadRequest(f"give {key} or {key}_bytes, not both")
+            raw[key] = args.int(f"{key}_bytes", 0, MAX_INT)
+    return request_policy(raw)

@@ -132,7 +132,7 @@ class Reclaimer:
         except NoMemory as exc:
             if now - parked.parked_at >= parked.wait_s:
                 assert tenant is not None
-                tenant.num_refused_grows += 1
+                tenant.note_refused(exc.code, parked.min_pages, self.pages.free_bytes)
                 parked.waiter.fail(exc)
                 return True
             self._escalate(parked, tenant, now)
@@ -164,8 +164,8 @@ class Reclaimer:
         if not candidates:
             return False
         victim = min(candidates, key=lambda t: t.last_active)  # the longest idle
-        log.info("reclaim: warm-sleeping %s for %s", victim.name, requester.name)
-        self.sleeper.begin(victim, "warm", None, now)
+        log.info("reclaim: asking %s to sleep (warm) for %s", victim.name, requester.name)
+        self.sleeper.begin(victim, "warm", None, now, why=f"reclaim: pages wanted by {requester.name}")
         self.num_victims_slept += 1
         return True
 

@@ -37,6 +37,8 @@ from kvdaemon.cuda_vmm import open_backend
 from kvdaemon.daemon.lease_table import LeaseTable
 from kvdaemon.daemon.log_throttle import LogThrottle
 from kvdaemon.daemon.metrics import Metrics
+from kvdaemon.daemon.policy_book import PolicyBook
+from kvdaemon.daemon.policy_file import policy_path
 from kvdaemon.daemon.ports import notify
 from kvdaemon.errors import BadRequest, DaemonUnreachable
 from kvdaemon.wire.messages import ShutdownNotice
@@ -85,9 +87,11 @@ class Daemon:
         backend = open_backend(
             kind, num_pages=num_pages, page_size_bytes=cfg.page_size_bytes, device=cfg.device
         )
+        policies = PolicyBook(cfg.tenant_policies, policy_path(self.paths.root))
+        policies.load()  # the operator's `kvdaemon limit`s of the daemon before
         self.service = Service(
             backend, self.leases, cfg, sink=self._send_control, on_grant=self._on_grant,
-            on_shrink=self._on_shrink,
+            on_shrink=self._on_shrink, policies=policies,
         )
         old_umask = os.umask(0o077)
         try:
@@ -214,8 +218,7 @@ class Daemon:
             tenant = self.service.tenants.get(tenant_id)
             if tenant is None:
                 return
-            log.info("lease of %s ended (%s)", tenant.name, why)
-            self.service.remove(tenant)
+            self.service.remove(tenant, f"its lease ended without an unregister ({why})", clean=False)
         if expired and self.metrics is not None:
             self.metrics.count_lease_expiry()
 

@@ -35,17 +35,20 @@ from kvdaemon import __version__
 from kvdaemon.cuda_vmm.backend import Backend
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.daemon.grants import Grants
-from kvdaemon.daemon.limits import MAX_WEIGHT, apply_limit
+from kvdaemon.daemon.limits import Limiter, check_own
 from kvdaemon.daemon.device_pages import Owner, DevicePages
-from kvdaemon.daemon.ports import LeasePort, notify
+from kvdaemon.daemon.policies import MAX_WEIGHT, MIN_WEIGHT, OwnLimits
+from kvdaemon.daemon.policy_book import PolicyBook
+from kvdaemon.daemon.ports import LeasePort
 from kvdaemon.daemon.reclaim import Reclaimer
 from kvdaemon.daemon.reply import Call, PendingReply, ReplySink
 from kvdaemon.daemon.sleep import Sleeper
 from kvdaemon.daemon.tenant import Tenant, Tenants, WireSpec, check_name
+from kvdaemon.daemon.tenant_log import ActivityLog, log_registered, log_removed
 from kvdaemon.errors import (
     BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
 )
-from kvdaemon.wire.messages import SLEEP_MODES, LimitNotice
+from kvdaemon.wire.messages import SLEEP_MODES
 from kvdaemon.wire.protocol import (
     MAX_INT, PROTOCOL_VERSION, REQUEST_LIMITS, Args, decode, reply_error, reply_ok,
 )
@@ -67,6 +70,7 @@ class Service:
         clock: Clock = time.monotonic,
         on_grant: Callable[[float, int], None] | None = None,
         on_shrink: Callable[[int], None] | None = None,
+        policies: PolicyBook | None = None,
     ) -> None:
         self.config = config if config is not None else DaemonConfig()
         self.backend = backend
@@ -85,6 +89,16 @@ class Service:
             wait_s=self.config.reclaim_wait_s, escalate_s=self.config.reclaim_escalate_s,
             sleep_victims=self.config.reclaim_sleep,
         )
+        # Operator policies: the config file's [tenants], plus those kept on disk when given.
+        self.policies = policies if policies is not None else PolicyBook(self.config.tenant_policies)
+        self.limiter = Limiter(
+            self.tenants, self.policies, self.grants, leases, self.pages.capacity_bytes
+        )
+        self.activity = ActivityLog()
+        for name in self.policies.names():
+            sources = ", ".join(f"{f} from {src}" for f, src in self.policies.sources(name).items())
+            log.info("operator policy of %s: %s (%s)", name,
+                     self.policies.effective(name).describe(), sources)  # fmt: skip
         self._ops: dict[str, Callable[[Args, Call], Any]] = {
             "hello": self.op_hello, "register": self.op_register, "grow": self.op_grow,
             "shrink": self.op_shrink, "heartbeat": self.op_heartbeat,
@@ -160,36 +174,32 @@ class Service:
     def op_register(self, args: Args, call: Call) -> dict[str, Any]:
         name = check_name(args.str("name"))
         spec = WireSpec.parse(args.map("spec"))
-        capacity = self.pages.capacity_bytes
         num_virtual_pages = args.int("num_virtual_pages", 1, 1 << 24)
-        max_bytes = args.opt_int("max_bytes", 0, MAX_INT)
-        max_bytes = capacity if max_bytes is None else min(max_bytes, capacity)
-        min_bytes = args.int("min_bytes", 0, MAX_INT, default=0)
-        weight = args.float("weight", 1e-6, MAX_WEIGHT, default=1.0)
+        own = OwnLimits(
+            max_bytes=args.opt_int("max_bytes", 0, MAX_INT),
+            min_bytes=args.int("min_bytes", 0, MAX_INT, default=0),
+            weight=args.float("weight", MIN_WEIGHT, MAX_WEIGHT, default=1.0),
+        )
         pid = args.int("pid", 0, 1 << 31, default=0)
         sleepable = args.bool("sleepable")
-        if min_bytes > max_bytes:
-            raise BadRequest(f"min_bytes {min_bytes} exceeds max_bytes {max_bytes}")
+        check_own(own, self.pages.capacity_bytes)
         if name in self.tenants:
             raise Conflict(f"a tenant named {name!r} is already registered")
-        guaranteed = self.tenants.guaranteed_bytes()
-        if guaranteed + min_bytes > capacity:
-            raise NoMemory(
-                f"min_bytes {min_bytes} does not fit: {guaranteed} of {capacity} already guaranteed"
-            )
+        bounded = self.limiter.for_registration(name, own)  # its own limits under the policy
+        limits = bounded.limits
         tenant = Tenant(
             tenant_id=self.tenants.next_id(), name=name, token=secrets.token_hex(16), pid=pid,
             spec=spec, page_size_bytes=self.pages.page_size_bytes,
-            num_virtual_pages=num_virtual_pages, max_bytes=max_bytes, min_bytes=min_bytes,
-            weight=weight, registered_at=self.clock(), sleepable=sleepable,
+            num_virtual_pages=num_virtual_pages, max_bytes=limits.max_bytes,
+            min_bytes=limits.min_bytes, weight=limits.weight, registered_at=self.clock(),
+            sleepable=sleepable, own=own,
         )
         self.tenants.add(tenant)
-        log.info("registered tenant %s (id %d, pid %d, %d segments, limit %d bytes)",
-                 name, tenant.tenant_id, pid, spec.num_segments, max_bytes)  # fmt: skip
+        log_registered(tenant, bounded, self.policies.effective(name).settled().describe())
         return {
             "tenant_id": tenant.tenant_id, "token": tenant.token,
             "page_size": self.pages.page_size_bytes, "num_segments": spec.num_segments,
-            "backend": self.backend.name, "max_bytes": max_bytes, "limit": tenant.limits(),
+            "backend": self.backend.name, "max_bytes": limits.max_bytes, "limit": tenant.limits(),
         }
 
     def op_grow(self, args: Args, call: Call) -> dict[str, Any] | PendingReply:
@@ -202,14 +212,14 @@ class Service:
         now = self.clock()
         try:
             return self.grants.grow(tenant, candidates, min_pages, now)
-        except OverLimit:
-            tenant.num_refused_grows += 1
+        except OverLimit as exc:
+            tenant.note_refused(exc.code, min_pages, self.pages.free_bytes)
             raise
-        except NoMemory:
+        except NoMemory as exc:
             waiter = call.defer()
             if self.reclaimer.park(tenant, candidates, min_pages, waiter, wait_s, now):
                 return waiter  # answered by ``tick`` once pages come back, or NO_MEMORY
-            tenant.num_refused_grows += 1
+            tenant.note_refused(exc.code, min_pages, self.pages.free_bytes)
             raise
 
     def op_shrink(self, args: Args, _call: Call) -> dict[str, Any]:
@@ -230,7 +240,7 @@ class Service:
 
     def op_unregister(self, args: Args, _call: Call) -> dict[str, Any]:
         tenant = self._authenticated(args)
-        num_pages = self.remove(tenant)
+        num_pages = self.remove(tenant, "unregistered")
         self.leases.drop_lease(tenant.tenant_id)
         return {"num_released": num_pages}
 
@@ -238,21 +248,19 @@ class Service:
         return self.status()
 
     def op_set_limit(self, args: Args, _call: Call) -> dict[str, Any]:
-        tenant = self._by_name(args)
-        others = self.tenants.guaranteed_bytes(other_than=tenant)
-        result = apply_limit(tenant, args, self.pages.capacity_bytes, others)
-        if result["changed"]:
-            notify(self.leases, tenant.tenant_id, LimitNotice(**tenant.limits()))
-            self.grants.ask_back_excess(tenant)
-        return result
+        """The operator's policy of a name (registered or not), or with a token the
+        tenant's own request (``kvdaemon.daemon.limits``)."""
+        return self.limiter.set_limit(args, self._by_name(args) if args.has("token") else None)
 
     def op_sleep(self, args: Args, call: Call) -> dict[str, Any] | PendingReply:
         tenant = self._by_name(args)
         mode = args.str("mode", 8) if args.has("mode") else "warm"
         if mode not in SLEEP_MODES:
             raise BadRequest(f"sleep mode must be 'warm' or 'cold', got {mode!r}")
+        by_owner = args.has("token")
+        why = "asked by the tenant itself" if by_owner else "asked by an admin"
         waiter = call.defer()
-        done = self.sleeper.begin(tenant, mode, waiter, self.clock(), by_owner=args.has("token"))
+        done = self.sleeper.begin(tenant, mode, waiter, self.clock(), by_owner=by_owner, why=why)
         return waiter if done is None else done
 
     def op_sleep_ready(self, args: Args, _call: Call) -> dict[str, Any]:
@@ -260,7 +268,9 @@ class Service:
         return self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"))
 
     def op_wake(self, args: Args, _call: Call) -> dict[str, Any]:
-        return self.sleeper.wake(self._by_name(args), self.clock())
+        by_owner = args.has("token")
+        why = "woken by the tenant itself (auto-wake or its own call)" if by_owner else "woken by an admin"
+        return self.sleeper.wake(self._by_name(args), self.clock(), why)
 
     def op_shutdown(self, _args: Args, _call: Call) -> dict[str, Any]:
         self.shutdown_requested = True
@@ -288,16 +298,17 @@ class Service:
             raise Forbidden(f"a grant channel of {name!r} must come from the process holding its lease")
         return tenant.tenant_id
 
-    def remove(self, tenant: Tenant) -> int:
+    def remove(self, tenant: Tenant, why: str, clean: bool = True) -> int:
         """Forget ``tenant`` and free every page it holds; return the pages freed.
 
-        Only for a tenant that no longer maps them: it unregistered, or its
-        process is gone (its lease closed).
+        Only for a tenant that no longer maps them: it unregistered (``clean``),
+        or its process is gone (its lease closed). ``why`` says which, for the log.
         """
+        self.activity.flush(tenant, self.clock())
         num_pages = self.grants.release_all(tenant)
         self.sleeper.forget(tenant)
         self.tenants.remove(tenant)
-        log.info("removed tenant %s, %d pages back", tenant.name, num_pages)
+        log_removed(tenant, num_pages, why, clean)
         return num_pages
 
     def tick(self, now: float) -> None:
@@ -305,12 +316,14 @@ class Service:
         serve parked grows, the idle policy."""
         for tenant in self.tenants:
             if not tenant.leased and now - tenant.registered_at > self.config.attach_timeout_s:
-                log.info("tenant %s never attached its handle channel; dropped", tenant.name)
-                self.remove(tenant)
+                timeout_s = self.config.attach_timeout_s
+                why = f"it never attached its handle channel within {timeout_s:g} s"
+                self.remove(tenant, why, clean=False)
         self.sleeper.expire(now)
         self.reclaimer.retry(now)
         if self.config.idle_sleep_s is not None:
             self.sleeper.sleep_idle(now, self.config.idle_sleep_s, self.config.idle_mode)
+        self.activity.tick(self.tenants, now)
 
     def status(self) -> dict[str, Any]:
         """The object of ``status --json`` (DESIGN.md §13), plus daemon and detail fields."""
@@ -328,6 +341,7 @@ class Service:
             "host_bytes": sum(int(t["host_bytes"]) for t in tenants),
             "counters": {**self.reclaimer.stats(), **self.sleeper.stats()},
             "tenants": tenants,
+            "policies": self.policies.rows(t["name"] for t in tenants),
         }
 
     def check_invariants(self) -> None:

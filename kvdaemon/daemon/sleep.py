@@ -41,6 +41,7 @@ from kvdaemon.daemon.reply import PendingReply
 from kvdaemon.daemon.tenant import PendingSleep, Tenant, Tenants, TenantState
 from kvdaemon.errors import Conflict
 from kvdaemon.wire.messages import SleepCancelledNotice, SleepNotice, WakeNotice
+from kvdaemon.wire.sizes import format_bytes
 
 log = logging.getLogger("kvdaemon.sleep")
 MAX_CACHED_BUFFER_BYTES = 2 << 30  # host memory kept for the next warm sleep, at most
@@ -66,30 +67,33 @@ class Sleeper:
 
     def begin(
         self, tenant: Tenant, mode: str, waiter: PendingReply | None, now: float,
-        by_owner: bool = False,
+        by_owner: bool = False, why: str = "asked by an admin",
     ) -> dict[str, Any] | None:
         """Ask ``tenant`` to quiesce; ``waiter`` is answered by ``finish`` or ``expire``.
 
         Returns a result at once (and leaves ``waiter`` alone) when nothing is
         to be done: the tenant already sleeps, or a cold sleep dropped a warm
-        sleeper's copy. ``waiter`` is ``None`` for the daemon's own sleeps.
+        sleeper's copy. ``waiter`` is ``None`` for the daemon's own sleeps;
+        ``why`` says who asked, for the log.
         """
         if tenant.state is not TenantState.ACTIVE:
-            return self._sleep_again(tenant, mode)
+            return self._sleep_again(tenant, mode, why)
         if tenant.pending_sleep is not None:
             raise Conflict(f"tenant {tenant.name!r} is already being put to sleep")
         if not tenant.leased:
             raise Conflict(f"tenant {tenant.name!r} has no handle channel to be told on")
         sleep_id = next(self._ids)
-        tenant.pending_sleep = PendingSleep(sleep_id, mode, waiter, now + self.timeout_s)
+        tenant.pending_sleep = PendingSleep(sleep_id, mode, waiter, now + self.timeout_s, why)
         notify(self.leases, tenant.tenant_id, SleepNotice(mode, sleep_id, by_owner))
         return None
 
-    def _sleep_again(self, tenant: Tenant, mode: str) -> dict[str, Any]:
+    def _sleep_again(self, tenant: Tenant, mode: str, why: str) -> dict[str, Any]:
         if mode == "cold" and tenant.state is TenantState.SLEEPING_WARM:
+            host_bytes = 0 if tenant.warm is None else tenant.warm.host_bytes
             self._drop_warm(tenant)
             tenant.state = TenantState.SLEEPING_COLD
-            log.info("tenant %s: warm sleep made cold, host copy dropped", tenant.name)
+            log.info("tenant %s is sleeping-cold (%s): warm sleep made cold, its host copy of %s "
+                     "dropped", tenant.name, why, format_bytes(host_bytes))  # fmt: skip
             return self._result(tenant, 0)
         return {**self._result(tenant, 0), "already": True}
 
@@ -102,6 +106,8 @@ class Sleeper:
             raise Conflict(f"sleep {sleep_id} of {tenant.name!r} was cancelled or never asked")
         tenant.pending_sleep = None
         if refused:
+            log.warning("tenant %s refused to sleep (%s): its engine has no quiesce hook",
+                        tenant.name, pending.why)  # fmt: skip
             tenant.sleepable = False
             error = Conflict(
                 f"tenant {tenant.name!r} cannot be put to sleep: its engine has no quiesce hook "
@@ -120,15 +126,21 @@ class Sleeper:
         tenant.last_sleep = (sleep_id, result)
         if pending.waiter is not None:
             pending.waiter.ok(result)
-        log.info("tenant %s is %s (%d pages freed)", tenant.name, tenant.state.value, num_pages)
+        kept = ""
+        if tenant.warm is not None and num_pages:
+            kept = f", {format_bytes(tenant.warm.host_bytes)} kept in host memory"
+        log.info("tenant %s is %s (%s): %d page(s) (%s) freed%s", tenant.name, tenant.state.value,
+                 pending.why, num_pages, format_bytes(num_pages * tenant.page_size_bytes),
+                 kept)  # fmt: skip
         return result
 
     def _result(self, tenant: Tenant, num_released: int) -> dict[str, Any]:
         host = 0 if tenant.warm is None else tenant.warm.host_bytes
         return {"state": tenant.state.value, "num_released": num_released, "host_bytes": host}
 
-    def wake(self, tenant: Tenant, now: float) -> dict[str, Any]:
-        """Give a sleeping tenant pages again (bytes restored when warm) and tell it."""
+    def wake(self, tenant: Tenant, now: float, why: str = "woken by an admin") -> dict[str, Any]:
+        """Give a sleeping tenant pages again (bytes restored when warm) and tell it; ``why``
+        says who asked, for the log."""
         mode = tenant.state.mode
         if mode is None:
             return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes, "already": True}
@@ -142,7 +154,8 @@ class Sleeper:
         self.num_wakes += 1
         lps = [lp for lp, _ in grant["pages"]]
         notify(self.leases, tenant.tenant_id, WakeNotice(mode, grant["grant_id"], lps))
-        log.info("tenant %s is awake (%s)", tenant.name, mode)
+        log.info("tenant %s is active (%s; was sleeping-%s): %s restored", tenant.name, why, mode,
+                 format_bytes(tenant.mapped_bytes))  # fmt: skip
         return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes}
 
     def expire(self, now: float) -> None:
@@ -152,6 +165,8 @@ class Sleeper:
             if pending is None or now < pending.deadline:
                 continue
             tenant.pending_sleep = None
+            log.warning("tenant %s did not quiesce within %g s; its sleep (%s) is cancelled, "
+                        "nothing freed", tenant.name, self.timeout_s, pending.why)  # fmt: skip
             if pending.waiter is not None:
                 pending.waiter.fail(
                     Conflict(f"tenant {tenant.name!r} did not quiesce within {self.timeout_s:g} s")
@@ -164,8 +179,9 @@ class Sleeper:
             idle = now - tenant.last_active
             if (tenant.state is TenantState.ACTIVE and tenant.leased and tenant.sleepable
                     and tenant.pending_sleep is None and idle >= idle_s):  # fmt: skip
-                log.info("tenant %s idle for %.0f s: sleeping it (%s)", tenant.name, idle, mode)
-                self.begin(tenant, mode, None, now)
+                log.info("tenant %s idle for %.0f s: asking it to sleep (%s)",
+                         tenant.name, idle, mode)  # fmt: skip
+                self.begin(tenant, mode, None, now, why=f"idle policy: idle for {idle:.0f} s")
 
     def stats(self) -> dict[str, int]:
         return {"sleeps": self.num_sleeps, "wakes": self.num_wakes}

@@ -27,6 +27,9 @@ from kvdaemon.cuda_vmm.backend import PhysicalPage
 from kvdaemon.errors import BadRequest, UnknownTenant
 from kvdaemon.wire.dtypes import DTYPE_BYTES
 from kvdaemon.wire.protocol import Args
+from kvdaemon.wire.sizes import format_bytes
+
+from kvdaemon.daemon.policies import Limits, OwnLimits
 
 if TYPE_CHECKING:
     from kvdaemon.daemon.reply import PendingReply
@@ -82,6 +85,12 @@ class WireSpec:
         )
 
 
+    def describe(self) -> str:
+        """``32 layers x 8 KV heads x 128, block 16, bfloat16, 64 segments``."""
+        return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim}, "
+                f"block {self.block_size}, {self.dtype}, {self.num_segments} segments")  # fmt: skip
+
+
 def check_name(name: str) -> str:
     if not NAME_PATTERN.fullmatch(name):
         raise BadRequest(
@@ -99,6 +108,7 @@ class PendingSleep:
     mode: str
     waiter: PendingReply | None  # the caller's reply; None for the daemon's own sleeps
     deadline: float
+    why: str = "asked by an admin"  # who asked, for the log
 
 
 @dataclass
@@ -130,9 +140,15 @@ class Tenant:
     peak_mapped_bytes: int = 0
     num_refused_grows: int = 0
     num_sleeps: int = 0
+    num_grown_pages: int = 0  # logical pages granted by grows, ever
+    num_shrunk_pages: int = 0  # logical pages given back by shrinks, ever
+    last_refusal: str = ""  # why the last grow was refused, in words
+    own: OwnLimits | None = None  # what it asked for itself; default: the limits it has
 
     def __post_init__(self) -> None:
         self.last_active = self.registered_at
+        if self.own is None:
+            self.own = OwnLimits(self.max_bytes, self.min_bytes, self.weight)
 
     @property
     def logical_page_bytes(self) -> int:
@@ -154,6 +170,27 @@ class Tenant:
 
     def note_mapped(self) -> None:
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)
+
+    def note_grown(self, num_pages: int) -> None:
+        """A grow granted ``num_pages`` logical pages (counted for the log's summaries)."""
+        self.num_grown_pages += num_pages
+
+    def note_shrunk(self, num_pages: int) -> None:
+        """A shrink gave back ``num_pages`` logical pages."""
+        self.num_shrunk_pages += num_pages
+
+    def note_refused(self, code: str, num_pages: int, free_bytes: int) -> None:
+        """A grow of ``num_pages`` logical pages (its minimum) was refused with ``code``."""
+        self.num_refused_grows += 1
+        wanted = format_bytes(num_pages * self.logical_page_bytes)
+        if code == "OVER_LIMIT":
+            why = f"{format_bytes(self.mapped_bytes)} mapped, limit {format_bytes(self.max_bytes)}"
+        else:
+            why = f"{format_bytes(free_bytes)} free in the pool"
+        self.last_refusal = f"a grow of {wanted} refused ({code}: {why})"
+
+    def current_limits(self) -> Limits:
+        return Limits(self.max_bytes, self.min_bytes, self.weight)
 
     def limits(self) -> dict[str, Any]:
         """The ``limit`` map of ``register``'s reply and of a ``limit`` notice."""
@@ -212,6 +249,10 @@ class Tenants:
     def remove(self, tenant: Tenant) -> None:
         del self._by_name[tenant.name]
         del self._by_id[tenant.tenant_id]
+
+    def find(self, name: str) -> Tenant | None:
+        """The tenant called ``name``, or ``None``."""
+        return self._by_name.get(name)
 
     def named(self, name: str) -> Tenant:
         """The tenant called ``name``; ``UnknownTenant`` when none is."""

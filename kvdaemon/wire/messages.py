@@ -18,7 +18,11 @@ shrink        tenant, token, logical_pages -> num_released, mapped_bytes
 heartbeat     tenant, token, used_bytes?, sleepable? -> state, max_bytes, free_bytes
 unregister    tenant, token -> num_released
 status        -> the ``status --json`` object
-set_limit     name, max_bytes?, min_bytes?, weight?, revision? -> result, revision
+set_limit     name, max_bytes?, min_bytes?, weight?, revision?, max?, min? (size text:
+              "8GiB", "40%", "none"), weight "none"?, reset?, token? -> result
+              (applied/stored), revision, changed, registered, limit, policy, clamped
+              (no token: the operator's policy of the name, registered or not; see
+              ``kvdaemon.daemon.limits``)
 sleep         name, mode, token? -> state, num_released, host_bytes (answered once
               the tenant quiesced, or refused)
 sleep_ready   tenant, token, sleep_id, refused? -> the same result as ``sleep``

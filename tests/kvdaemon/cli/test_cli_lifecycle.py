@@ -191,7 +191,7 @@ def test_status_json_is_the_status_object(cli: Cli) -> None:
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
     assert set(status) == STATUS_KEYS | {
-        "dir", "host_bytes", "counters", "device", "pid", "version", "uptime_seconds"}
+        "dir", "host_bytes", "counters", "device", "pid", "version", "uptime_seconds", "policies"}
     assert status["dir"] == str(cli.dir)
     assert {key: status[key] for key in STATUS_KEYS} == {
         "backend": "host", "page_size": 2 * MiB, "capacity_bytes": 64 * MiB,
@@ -212,7 +212,8 @@ def test_status_and_limit_with_a_tenant(cli: Cli) -> None:
         limited = cli.run("limit", "llama-a", "--max", "50%", "--min", "4MiB", "--weight", "2")
         assert limited.returncode == 0, limited.stderr
         assert limited.stdout.strip() == (
-            "llama-a: limit 32.0 MiB, min 4.00 MiB, weight 2 (revision 1)"
+            "llama-a: limit 32.0 MiB, min 4.00 MiB, weight 2 "
+            "(revision 1; policy max 50%, min 4.00 MiB, weight 2)"
         )
 
         status = json.loads(cli.run("status", "--json").stdout)
@@ -228,9 +229,14 @@ def test_status_and_limit_with_a_tenant(cli: Cli) -> None:
 
         table = cli.run("status")
         assert table.returncode == 0, table.stderr
-        (row,) = [line for line in table.stdout.splitlines() if "llama-a" in line]
-        assert row.split()[:5] == ["llama-a", str(os.getpid()), "active", "8.00", "MiB"]
-        assert "32.0 MiB" in row and "4.00 MiB" in row
+        (row,) = [line for line in table.stdout.splitlines() if line.startswith("llama-a ")]
+        assert row.split() == ["llama-a", str(os.getpid()), "active", "8.00M", "0", "32.0M",
+                               "4.00M", "2", row.split()[-1]]  # fmt: skip
+        assert table.stdout.splitlines()[-3:] == [
+            "llama-a: cannot be slept (no quiesce hook)",  # a raw lease has no quiesce hook
+            "operator policies (kvdaemon limit; [tenants] of the config file):",
+            "  llama-a: max 50% (limit), min 4.00 MiB (limit), weight 2 (limit)",
+        ]
     finally:
         lease.close()
         client.close()
@@ -238,10 +244,9 @@ def test_status_and_limit_with_a_tenant(cli: Cli) -> None:
 
 def test_limit_errors(cli: Cli) -> None:
     cli.started_pid()
-    unknown = cli.run("limit", "nobody", "--max", "8MiB")
-    assert unknown.returncode == 3
-    assert unknown.stderr.startswith("error UNKNOWN_TENANT: ")
-    assert "nobody" in unknown.stderr
+    conflicting = cli.run("limit", "nobody", "--max", "8MiB", "--min", "16MiB")
+    assert conflicting.returncode == 3
+    assert conflicting.stderr.startswith("error BAD_REQUEST: min 16777216 (16.0 MiB) of 'nobody'")
 
     nothing = cli.run("limit", "nobody")
     assert nothing.returncode == 2

@@ -18,7 +18,8 @@ MiB = 1024 * 1024
 cli = lifecycle_tests.cli  # the fixture: a detached daemon's directory, cleaned up after
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
 STATUS_KEYS = {"dir", "backend", "device", "pid", "version", "uptime_seconds", "page_size",
-               "capacity_bytes", "free_bytes", "host_bytes", "counters", "tenants"}  # fmt: skip
+               "capacity_bytes", "free_bytes", "host_bytes", "counters", "tenants",
+               "policies"}  # fmt: skip
 
 
 def json_of(done: subprocess.CompletedProcess[str], code: int = 0) -> dict[str, Any]:
@@ -77,8 +78,11 @@ def test_tenant_commands_json_and_idempotence(cli: Cli) -> None:
         assert set(only) == STATUS_KEYS and [t["name"] for t in only["tenants"]] == ["qwen-b"]
 
         limited = json_of(cli.run("limit", "llama-a", "--max", "50%", "--weight", "2", "--json"))
-        assert limited == {"name": "llama-a", "revision": 1, "max_bytes": 32 * MiB,
-                           "min_bytes": 0, "weight": 2.0}  # fmt: skip
+        assert limited == {
+            "name": "llama-a", "registered": True, "revision": 1, "max_bytes": 32 * MiB,
+            "min_bytes": 0, "weight": 2.0, "over_limit_bytes": 0,
+            "policy": {"max": "50%", "min": None, "weight": 2.0}, "clamped": [],
+        }  # fmt: skip
 
         slept = json_of(cli.run("sleep", "llama-a", "--json"))
         assert slept == {"name": "llama-a", "state": "sleeping-warm", "changed": True,
@@ -127,8 +131,7 @@ def test_errors_are_json_too(cli: Cli) -> None:
         assert error_of(cli.run(*args, "--json"), 1, "UNREACHABLE") == message, args
 
     cli.started_pid()
-    for args in (("status", "nobody"), ("limit", "nobody", "--max", "1MiB"), ("sleep", "nobody"),
-                 ("wake", "nobody")):  # fmt: skip
+    for args in (("status", "nobody"), ("sleep", "nobody"), ("wake", "nobody")):
         assert "'nobody'" in error_of(cli.run(*args, "--json"), 3, "UNKNOWN_TENANT"), args
     assert error_of(cli.start(*HOST_FLAGS, "--json"), 3, "CONFLICT").startswith(
         "a kvdaemon is already running"

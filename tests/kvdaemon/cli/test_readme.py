@@ -5,6 +5,7 @@ points at a fresh directory, so nothing touches the machine's own daemon."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import small_spec
 from tests.kvdaemon.cli import test_cli_lifecycle as lifecycle_tests
 from tests.kvdaemon.cli.test_cli_lifecycle import Cli
 
@@ -97,3 +99,40 @@ def test_python_blocks_run_as_written(cli: Cli, env: dict[str, str], heading: st
                               capture_output=True, text=True, timeout=600)  # fmt: skip
         assert done.returncode == 0, f"{code}\n{done.stdout}\n{done.stderr}"
     assert cli.run("status", "--json").returncode == 0
+
+
+@needs_venv
+def test_limits_that_outlive_a_tenant_run_as_written(cli: Cli, env: dict[str, str]) -> None:
+    (script,) = blocks("### Limits that outlive a tenant", "sh")
+    done = run_shell("source .venv/bin/activate\n" + script, env, timeout_s=300)  # "venv active"
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    out = done.stdout
+    assert "qwen-b: not registered; policy max 64.0 MiB, min 16.0 MiB kept, applied when it registers" in out
+    assert "qwen-b: max 1.00 TiB clamped to 256.0 MiB (above the capacity)" in out
+    assert "  llama-a: max 50% (config), weight 2 (config); not registered yet" in out
+    assert '"sources": {\n        "max": "limit",\n        "min": "limit"' in out  # after the restart
+    assert "llama-a: not registered; policy max none, weight 2 kept" in out
+    assert "llama-a: not registered; policy max 50%, weight 2 kept" in out
+    assert cli.run("status").returncode == 1
+
+
+def test_the_status_json_tables_name_every_field(cli: Cli) -> None:
+    """Each table of the README's "status --json" lists exactly the fields a daemon reports."""
+    text = section("### What `status --json` says")
+    tables = re.split(r"\n\n(?=Per )", text)
+    documented = [
+        {name for row in re.findall(r"^\| (`[^|]*) \|", table, re.MULTILINE)
+         for name in re.findall(r"`([a-z_]+)`", row)}
+        for table in tables
+    ]  # fmt: skip
+    cli.started_pid()
+    cli.run("limit", "nobody-yet", "--max", "25%")
+    client = cli.client()
+    pool = client.register("llama-a", small_spec())
+    try:
+        status = json.loads(cli.run("status", "--json").stdout)
+    finally:
+        pool.close()
+        client.close()
+    assert documented == [set(status), set(status["tenants"][0]), set(status["policies"][0])]
+    assert all(f"`{counter}`" in tables[0] for counter in status["counters"])

@@ -31,57 +31,88 @@ def make_status(tenants: list[dict[str, Any]]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def rendered(status: dict[str, Any]) -> str:
+def rendered(status: dict[str, Any], width: int = 200) -> str:
     out = io.StringIO()
-    status_view.render(Console(file=out, width=200, color_system=None), Path("/tmp/kvd"), status)
+    status_view.render(Console(file=out, width=width, color_system=None), Path("/tmp/kvd"), status)
     return out.getvalue()
 
 
 def test_tenant_row() -> None:
     assert status_view.tenant_row(make_tenant()) == [
-        "llama-a", "4242", "active", "1.50 GiB", "512.0 MiB", "8.00 GiB", "0 B", "1", "3m05s",
+        "llama-a", "4242", "active", "1.50G", "512M", "8.00G", "0", "1", "3m05s",
     ]  # fmt: skip
-    unlimited = status_view.tenant_row(make_tenant(max_bytes=None, weight=2.5))
-    assert unlimited[5:8] == ["none", "0 B", "2.5"]
+    unlimited = status_view.tenant_row(make_tenant(max_bytes=None, weight=2.5, state="sleeping-cold"))
+    assert unlimited[2] == "asleep (cold)" and unlimited[5:8] == ["none", "0", "2.5"]
 
 
 @pytest.mark.parametrize(
-    ("seconds", "text"), [(0, "0s"), (0.9, "0s"), (59.9, "59s"), (60, "1m00s"), (3725, "1h02m")]
-)
+    ("seconds", "text"),
+    [(0, "0s"), (0.9, "0s"), (59.9, "59s"), (60, "1m00s"), (3725, "1h02m"), (359999, "99h59m"),
+     (360000, "4d04h")],
+)  # fmt: skip
 def test_format_duration(seconds: float, text: str) -> None:
     assert status_view.format_duration(seconds) == text
 
 
-def test_render_summary_and_rows() -> None:
+def test_render_header_and_rows() -> None:
     sleeper = make_tenant(name="[bold]x", pid=7, state="sleeping-warm")
-    text = rendered(make_status([make_tenant(), sleeper]))
-    lines = text.splitlines()
-    assert lines[0] == (
-        "kvdaemon at /tmp/kvd: backend host, capacity 4.00 GiB, free 1.00 GiB (25%), "
-        "page 2.00 MiB, 2 tenant(s)"
-    )
-    assert lines[1].split() == [
+    status = {**make_status([make_tenant(), sleeper]), "pid": 99, "version": "0.1.0",
+              "uptime_seconds": 7300.5, "device": 0}  # fmt: skip
+    lines = rendered(status).splitlines()
+    assert lines[:2] == [
+        "kvdaemon 0.1.0 at /tmp/kvd (pid 99, up 2h01m): backend host, device 0",
+        "capacity 4.00 GiB, free 1.00 GiB (25%), page 2.00 MiB, 2 tenant(s)",
+    ]
+    assert lines[2].split() == [
         "name", "pid", "state", "mapped", "in", "use", "limit", "min", "weight", "idle",
     ]  # fmt: skip
-    assert lines[2].split()[:3] == ["llama-a", "4242", "active"]
-    assert lines[3].split()[:3] == ["[bold]x", "7", "sleeping-warm"]  # names are not markup
+    assert lines[3].split()[:3] == ["llama-a", "4242", "active"]
+    assert lines[4].split()[:4] == ["[bold]x", "7", "asleep", "(warm)"]  # names are not markup
+    assert len(lines) == 5  # nothing needs attention, no policies
 
 
 def test_render_without_tenants() -> None:
     text = rendered(make_status([]))
-    assert text.splitlines()[1] == "no tenants registered"
+    assert text.splitlines()[2] == "no tenants registered"
 
 
-def test_a_tenant_over_its_limit_shows_what_it_owes() -> None:
-    over = make_tenant(name="over", mapped_bytes=3072 * MiB, max_bytes=2048 * MiB)
-    text = rendered(make_status([make_tenant(), over]))
-    lines = text.splitlines()
-    assert lines[1].split()[-1] == "owes"
-    assert lines[2].split()[-1] == "-"  # under its limit
-    assert lines[3].split()[-2:] == ["1.00", "GiB"]  # 3 GiB mapped, limit lowered to 2 GiB
+def test_every_line_fits_80_columns() -> None:
+    widest = make_tenant(name="qwen-2.5-7b-instruct-replica", pid=4194304, state="sleeping-warm",
+                         mapped_bytes=1000 * 1024 * MiB, used_bytes=999 * MiB, min_bytes=1000 * MiB,
+                         weight=0.125, idle_seconds=359999)  # fmt: skip
+    lines = rendered(make_status([widest, make_tenant()]), width=80).splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert lines[3].split() == [
+        "qwen-2.5-7b-ins…", "4194304", "asleep", "(warm)", "0.98T", "999M", "8.00G", "0.98G",
+        "0.125", "99h59m",
+    ]  # fmt: skip
+
+
+def test_a_tenant_that_needs_attention_gets_a_note() -> None:
+    over = make_tenant(name="over", mapped_bytes=3072 * MiB, max_bytes=2048 * MiB,
+                       over_limit_bytes=1024 * MiB, refused_grows=3, sleepable=False)  # fmt: skip
+    asleep = make_tenant(name="asleep", state="sleeping-cold", sleepable=False)  # nothing to say
+    fine = make_tenant(name="fine", refused_grows=0, sleepable=True)
+    lines = rendered(make_status([fine, over, asleep])).splitlines()
+    assert lines[6:] == [
+        "over: owes 1.00 GiB over its 2.00 GiB limit; 3 grow(s) refused; "
+        "cannot be slept (no quiesce hook)",
+    ]
     assert status_view.owed_bytes(over) == 1024 * MiB
+    assert status_view.owed_bytes(make_tenant(mapped_bytes=3072 * MiB, max_bytes=2048 * MiB)) == 1024 * MiB
     assert status_view.owed_bytes(make_tenant(max_bytes=None)) == 0
 
 
-def test_no_owes_column_while_every_tenant_is_within_its_limit() -> None:
-    assert "owes" not in rendered(make_status([make_tenant()]))
+def test_policies_are_listed_with_their_sources() -> None:
+    policies = [
+        {"name": "llama-a", "registered": True, "max": "40%", "min": None, "weight": None,
+         "sources": {"max": "config"}},
+        {"name": "qwen-b", "registered": False, "max": 8589934592, "min": "none", "weight": 2.0,
+         "sources": {"max": "limit", "min": "limit", "weight": "config"}},
+    ]  # fmt: skip
+    lines = rendered({**make_status([make_tenant()]), "policies": policies}).splitlines()
+    assert lines[4:] == [
+        "operator policies (kvdaemon limit; [tenants] of the config file):",
+        "  llama-a: max 40% (config)",
+        "  qwen-b: max 8.00 GiB (limit), min none (limit), weight 2 (config); not registered yet",
+    ]

@@ -49,15 +49,16 @@ def row_of(text: str, name: str) -> str:
 
 def names_in(text: str) -> list[str]:
     body = text.splitlines()[3:]  # two header lines and the column titles
-    return [line.split()[0] for line in body if line and not line.startswith("q quit")]
+    footers = ("q quit", top_view.NO_SLEEP_LEGEND)
+    return [line.split()[0] for line in body if line and not line.startswith(footers)]
 
 
 THREE = [
-    make_tenant(),  # 1.5 GiB mapped of an 8 GiB limit, idle 3m05s
+    make_tenant(sleepable=True),  # 1.5 GiB mapped of an 8 GiB limit, idle 3m05s
     make_tenant(name="[bold]x", pid=7, state="sleeping-warm", mapped_bytes=0, used_bytes=0,
-                max_bytes=None, idle_seconds=4000),
+                max_bytes=None, idle_seconds=4000, sleepable=False),
     make_tenant(name="over", mapped_bytes=3072 * MiB, used_bytes=3000 * MiB,
-                max_bytes=2048 * MiB, idle_seconds=2),
+                max_bytes=2048 * MiB, idle_seconds=2, refused_grows=12, sleepable=False),
 ]  # fmt: skip
 
 
@@ -82,30 +83,32 @@ def test_frame_with_tenants_at_80_columns() -> None:
         "capacity 4.00 GiB · free 1.00 GiB · mapped " + FILLED * 15 + EMPTY * 5 + "  75%"
     )
     assert lines[2].split() == ["name", "state", "mapped", "in", "use", "limit", "of", "limit",
-                                "idle", "owes"]  # fmt: skip
-    assert len(lines) == 3 + 3 + 1  # one line per tenant: nothing wrapped
+                                "idle", "owes", "refused"]  # fmt: skip
+    assert len(lines) == 3 + 3 + 2  # one line per tenant: nothing wrapped; the legend of *
+    assert lines[-2] == "* cannot be slept: its engine has no quiesce hook"
     assert all(len(line) <= 80 for line in lines)
     assert lines[-1] == footer == (
         "q quit · sort by m mapped, u in use, n name, i idle, s state [mapped] · 1s"
     )
 
     assert row_of(text, "llama-a").split() == [
-        "llama-a", "active", "1.50G", "512M", "8.00G", FILLED + FILLED + EMPTY * 6, "19%",
-        "3m05s", "-",
+        "llama-a", "active", "1.50G", "512M", "8.00G", FILLED + EMPTY * 2, "19%", "3m05s", "-", "-",
     ]  # fmt: skip
     assert row_of(text, "[bold]x").split() == [  # names are not markup; state in words
-        "[bold]x", "asleep", "(warm)", "0", "0", "none", EMPTY * 8, "0%", "1h06m", "-",
+        "[bold]x", "asleep", "(warm)", "0", "0", "none", EMPTY * 3, "0%", "1h06m", "-", "-",
     ]  # fmt: skip
-    assert row_of(text, "over").split() == [  # over its limit: a full bar and what it owes
-        "over", "active", "3.00G", "2.93G", "2.00G", FILLED * 8, "150%", "2s", "1.00G",
-    ]  # fmt: skip
+    assert row_of(text, "over").split() == [  # over its limit: a full bar, what it owes, refusals;
+        "over", "active*", "3.00G", "2.93G", "2.00G", FILLED * 3, "150%", "2s", "1.00G", "12",
+    ]  # fmt: skip  # and it cannot be slept
 
 
 def test_a_long_name_is_cut_not_wrapped() -> None:
-    tenant = make_tenant(name="llama-3-70b-instruct-production-replica-7")
+    tenant = make_tenant(name="llama-3-70b-instruct-production-replica-7", refused_grows=123456,
+                         idle_seconds=359999, sleepable=False)  # fmt: skip
     lines = rendered(make_status([tenant])).splitlines()
-    assert len(lines) == 4 and all(len(line) <= 80 for line in lines)
-    assert lines[3].startswith("llama-3-70b-instr… active")
+    assert len(lines) == 5 and all(len(line) <= 80 for line in lines)
+    assert lines[3].startswith("llama-3-70b-i… active*")
+    assert lines[3].split()[-3:] == ["99h59m", "-", "123456"]
 
 
 @pytest.mark.parametrize(
@@ -166,9 +169,9 @@ def test_top_once_shows_each_tenant(cli: Cli) -> None:
             assert names_in(done.stdout) == ["llama-a", "qwen-b"]  # by mapped bytes
             cells = row_of(done.stdout, "llama-a").split()
             assert cells[:3] + cells[4:6] == [  # in use: as the last heartbeat said
-                "llama-a", "active", "4.00M", "16.0M", FILLED * 2 + EMPTY * 6,
-            ]  # fmt: skip
-            assert row_of(done.stdout, "qwen-b").split()[:3] == ["qwen-b", "active", "0"]
+                "llama-a", "active*", "4.00M", "16.0M", FILLED + EMPTY * 2,
+            ]  # fmt: skip  # no quiesce hook: it cannot be slept
+            assert row_of(done.stdout, "qwen-b").split()[:3] == ["qwen-b", "active*", "0"]
         by_name = cli.run("top", "--sort", "name")
         assert names_in(by_name.stdout) == ["llama-a", "qwen-b"]
         bad = cli.run("top", "--sort", "pid")

@@ -373,3 +373,69 @@ def test_the_example_config_sets_every_key() -> None:
     assert set(KEYS) <= commented  # every key is shown, set or as a comment
     config = load_config({}, {}, example)
     assert config.metrics_address is not None
+
+
+# -- [tenants.NAME]: operator policies ------------------------------------------------------
+
+
+TENANTS_TOML = """
+capacity = "64MiB"
+
+[tenants.llama-a]
+max = "40%"
+min = "1GiB"
+weight = 2
+
+[tenants."qwen:7b"]
+max = 8589934592
+"""
+
+
+def test_tenant_tables_are_policies(tmp_path: Path) -> None:
+    config = load_config({}, {}, write_toml(tmp_path, TENANTS_TOML))
+    policies = config.tenant_policies
+    assert sorted(policies) == ["llama-a", "qwen:7b"]
+    assert policies["llama-a"].to_json() == {"max": "40%", "min": GiB, "weight": 2.0}
+    assert policies["qwen:7b"].to_json() == {"max": 8 * GiB}
+    assert load_config({}, {}, None).tenants == ()
+    # `dir_from` (every command but start) reads past them
+    assert dir_from(None, {}, write_toml(tmp_path, 'dir = "/tmp/kvd-t"\n' + TENANTS_TOML)) == Path("/tmp/kvd-t")
+
+
+def test_tenant_policies_cross_a_detached_start(tmp_path: Path) -> None:
+    config = load_config({"backend": "host"}, {}, write_toml(tmp_path, TENANTS_TOML))
+    argv = config.to_argv()
+    pairs = list(zip(argv[::2], argv[1::2]))  # every flag of to_argv takes one value
+    policies = tuple(value for flag, value in pairs if flag == "--tenant-policy")
+    assert len(policies) == 2
+    plain = [item for flag, value in pairs if flag != "--tenant-policy" for item in (flag, value)]
+    again = load_config({**flags_from_argv(plain), "tenant-policy": policies}, {}, None)
+    assert again == config
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ('tenants = 3\n', "tenants must be tables [tenants.NAME]"),
+        ('[tenants]\nllama = 3\n', "tenants.llama must be a table of max, min, weight"),
+        ('[tenants."bad name"]\nmax = "1GiB"\n', "tenant name 'bad name' must be"),
+        ('[tenants.a]\nmaximum = "1GiB"\n', "tenants.a: unknown key 'maximum'; known are max, min, weight"),
+        ('[tenants.a]\nmax = "lots"\n', "tenants.a: max: invalid size 'lots'"),
+        ('[tenants.a]\nweight = -1\n', "tenants.a: weight must be a number"),
+        ('[tenants.a]\nmax = "10%"\nmin = "20%"\n', "tenants.a: min 20% exceeds max 10%"),
+    ],
+)
+def test_bad_tenant_tables_are_refused(tmp_path: Path, body: str, fragment: str) -> None:
+    file = write_toml(tmp_path, body)
+    with pytest.raises(ConfigError) as err:
+        load_config({}, {}, file)
+    assert err.value.message.startswith(f"{file}: tenants: ")
+    assert fragment in err.value.message
+
+
+def test_the_example_config_shows_a_tenant_table_that_loads(tmp_path: Path) -> None:
+    text = (REPO / "deploy" / "kvdaemon.toml").read_text()
+    start = text.index("# [tenants.llama-a]")
+    table = "\n".join(line.removeprefix("# ") for line in text[start:].splitlines())
+    config = load_config({}, {}, write_toml(tmp_path, table))
+    assert config.tenant_policies["llama-a"].to_json() == {"max": "40%", "min": 4 * GiB, "weight": 2.0}

@@ -12,6 +12,7 @@ import pytest
 
 from kvdaemon.cuda_vmm import HostBackend
 from kvdaemon.daemon.config import DaemonConfig
+from kvdaemon.daemon.policy_book import PolicyBook
 from kvdaemon.daemon.service import Service
 from kvdaemon.wire.protocol import PROTOCOL_VERSION, decode, encode, request
 
@@ -63,7 +64,7 @@ class Harness:
     Deferred replies land in ``replies`` as ``(routing id, payload)``.
     """
 
-    def __init__(self, **config: Any) -> None:
+    def __init__(self, policies: PolicyBook | None = None, **config: Any) -> None:
         self.backend = HostBackend(num_pages=NUM_PAGES, page_size_bytes=PAGE_BYTES)
         self.backend.start()
         self.leases = FakeLeases()
@@ -72,6 +73,7 @@ class Harness:
         self.service = Service(
             self.backend, self.leases, DaemonConfig(**config),
             sink=lambda rid, payload: self.replies.append((rid, payload)), clock=self.clock,
+            policies=policies,
         )
         self._next_id = 0
 
@@ -190,7 +192,9 @@ def test_set_limit_revisions(h: Harness) -> None:
     assert h.ok("set_limit", name="a", max_bytes=8 * PAGE_BYTES, revision=5)["revision"] == 5
     # the same revision with the same values: applied again, nothing changes
     again = h.ok("set_limit", name="a", max_bytes=8 * PAGE_BYTES, revision=5)
-    assert again == {"result": "applied", "revision": 5, "changed": False}
+    assert {k: again[k] for k in ("result", "revision", "changed")} == {
+        "result": "applied", "revision": 5, "changed": False,
+    }  # fmt: skip
     assert h.error("set_limit", name="a", max_bytes=4 * PAGE_BYTES, revision=5) == "CONFLICT"
     assert h.error("set_limit", name="a", max_bytes=2 * PAGE_BYTES, revision=4) == "STALE"
     assert h.ok("status")["tenants"][0]["max_bytes"] == 8 * PAGE_BYTES
@@ -200,7 +204,7 @@ def test_set_limit_revisions(h: Harness) -> None:
     assert (row["max_bytes"], row["weight"]) == (8 * PAGE_BYTES, 2.5)
     # the new limit binds grows at once
     assert h.error("grow", **h.auth("a", reg["token"], logical_pages=[0, 1, 2, 3, 4])) == "OVER_LIMIT"
-    assert h.error("set_limit", name="nobody", max_bytes=1) == "UNKNOWN_TENANT"
+    assert h.error("set_limit", name="nobody", max_bytes=1, token="x" * 32) == "UNKNOWN_TENANT"
     # each applied change told the tenant its limits; the idempotent replay did not
     assert [n["args"]["revision"] for _, n in h.leases.notices if n["notice"] == "limit"] == [5, 6]
 

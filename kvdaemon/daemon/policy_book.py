@@ -1,0 +1,104 @@
+"""The operator's policies by tenant name, in two layers, the second kept across restarts.
+
+- *configured*: the config file's ``[tenants.NAME]`` tables, read at start;
+- *set*: what ``kvdaemon limit NAME`` set (``set_limit`` without a token),
+  written to ``policies.json`` in the daemon directory on every change
+  (``kvdaemon.daemon.policy_file``) and read back by the next daemon.
+
+Which wins: field by field, a value set with ``limit`` wins over the config
+file's (it is the later word), ``limit NAME --max none`` removes the max
+whatever the file says, and ``limit NAME --reset`` forgets what ``limit`` set
+for NAME, so the config file's values apply again. A name may have a policy
+long before (or long after) a tenant of that name is registered.
+
+Only the service loop uses a book; nothing here locks. O(1) per lookup; a
+change costs one file write (``store``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from kvdaemon.daemon.policies import EMPTY, FIELDS, REMOVED, Policy
+from kvdaemon.daemon.policy_file import read_policies, write_policies
+
+CONFIG, LIMIT = "config", "limit"
+
+
+class PolicyBook:
+    """Policies by tenant name (see the module docstring); ``path`` ``None`` keeps nothing on disk."""
+
+    def __init__(
+        self, configured: Mapping[str, Policy] | None = None, path: Path | None = None
+    ) -> None:
+        self._configured = dict(configured or {})
+        self._set: dict[str, Policy] = {}
+        self.path = path
+
+    def load(self) -> None:
+        """Read what ``limit`` set before a restart; ``ConfigError`` for a file it cannot use."""
+        if self.path is not None:
+            self._set = read_policies(self.path)
+
+    def layer(self, name: str) -> Policy:
+        """What ``limit`` set for ``name`` (empty when nothing)."""
+        return self._set.get(name, EMPTY)
+
+    def effective(self, name: str, layer: Policy | None = None) -> Policy:
+        """The policy of ``name``: ``layer`` (default: the stored one) over the config file's."""
+        top = self.layer(name) if layer is None else layer
+        return top.over(self._configured.get(name, EMPTY))
+
+    def sources(self, name: str) -> dict[str, str]:
+        """Where each set field of ``name``'s policy comes from: ``config`` or ``limit``."""
+        top, base = self.layer(name), self._configured.get(name, EMPTY)
+        found = {}
+        for field in FIELDS:
+            if getattr(top, field) is not None:
+                found[field] = LIMIT
+            elif getattr(base, field) is not None:
+                found[field] = CONFIG
+        return found
+
+    def store(self, name: str, layer: Policy) -> None:
+        """Make ``layer`` what ``limit`` set for ``name`` (an empty one forgets it), on disk
+        first: ``KVDaemonError`` when the file cannot be written, and then nothing changed.
+
+        A ``none`` where the config file sets nothing is nothing, and is not kept.
+        """
+        base = self._configured.get(name, EMPTY)
+        layer = Policy(*(
+            None if getattr(layer, field) is REMOVED and getattr(base, field) is None
+            else getattr(layer, field)
+            for field in FIELDS
+        ))  # fmt: skip
+        kept = dict(self._set)
+        if layer.is_empty:
+            kept.pop(name, None)
+        else:
+            kept[name] = layer
+        if kept == self._set:
+            return
+        if self.path is not None:
+            write_policies(self.path, kept)
+        self._set = kept
+
+    def names(self) -> list[str]:
+        """Every name with a policy from either layer, sorted."""
+        return sorted(set(self._configured) | set(self._set))
+
+    def row(self, name: str, registered: bool) -> dict[str, Any]:
+        """``name``'s entry of ``status``'s ``policies``: each field (``null`` unset, ``"none"``
+        removed, else a size or weight), where each comes from, and whether it is registered."""
+        policy = self.effective(name).to_json()
+        return {
+            "name": name, "registered": registered,
+            **{field: policy.get(field) for field in FIELDS},
+            "sources": self.sources(name),
+        }  # fmt: skip
+
+    def rows(self, registered: Iterable[str]) -> list[dict[str, Any]]:
+        present = set(registered)
+        return [self.row(name, name in present) for name in self.names()]
