@@ -26,10 +26,11 @@ from kvdaemon.client.pool import KVPool
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolClosed
-from kvdaemon.wire.paths import DaemonPaths, default_dir
+from kvdaemon.wire.paths import DaemonPaths, default_dir, running_pid
 from kvdaemon.wire.protocol import PROTOCOL_VERSION
 
 PROBE_TIMEOUT_S = 0.5  # a pool looking for a restarted daemon waits this long per try
+MAX_VIRTUAL_PAGES = 1 << 24  # the daemon's bound on a tenant's logical pages
 
 
 class KVClient:
@@ -41,7 +42,7 @@ class KVClient:
         self.paths = DaemonPaths(self.dir)
         self.timeout_s = timeout_s
         self.daemon_info: dict[str, Any] | None = None
-        self._channel = ControlChannel(self.paths, timeout_s)
+        self._channel = ControlChannel(self.paths, timeout_s, alive=self._same_daemon)
         self._lock = threading.Lock()
         self._backend: Any = None
         self._open_pools: dict[int, KVPool] = {}  # id() -> pools registered here, not yet closed
@@ -70,6 +71,14 @@ class KVClient:
         info = self._channel.call("hello", {"version": PROTOCOL_VERSION})
         self.daemon_info = info
         return info
+
+    def _same_daemon(self) -> bool:
+        """False once the daemon this client spoke to no longer holds the directory (it died,
+        or another took its place): a request it never answered will not be answered."""
+        info = self.daemon_info
+        if info is None or not self.paths.lock_file.exists():  # a daemon run without the lock (in tests)
+            return True
+        return running_pid(self.paths) in (info.get("pid"), 0)
 
     # -- ops -------------------------------------------------------------------
 
@@ -163,12 +172,19 @@ class KVClient:
         """
         if self._closed:
             raise PoolClosed("this KVClient is closed")
+        if not isinstance(spec, KVSpec):
+            raise BadRequest(f"spec must be a KVSpec, got {type(spec).__name__}")
         info = self.daemon_info or self.hello()
         page = int(info["page_size"])
         total = int(info["capacity_bytes"]) if virtual_bytes is None else virtual_bytes
         if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
             raise BadRequest(f"virtual_bytes must be a positive number of bytes, got {total!r}")
         num_virtual_pages = max(1, total // (spec.num_segments * page))
+        if num_virtual_pages > MAX_VIRTUAL_PAGES:
+            raise BadRequest(
+                f"virtual_bytes {total} spans {num_virtual_pages} logical pages of "
+                f"{spec.num_segments * page} bytes; at most {MAX_VIRTUAL_PAGES} are allowed"
+            )
         limits = {"max_bytes": max_bytes, "min_bytes": min_bytes, "weight": weight}
         lease = self.lease(name, spec, num_virtual_pages=num_virtual_pages, **limits)
 

@@ -168,7 +168,10 @@ class ControlChannel:
             if not sock.poll(int(max(0.0, min(left_s, ALIVE_POLL_S)) * 1000), zmq.POLLIN):
                 if not self.alive():
                     self._drop()
-                    raise self.unreachable()
+                    raise DaemonUnreachable(
+                        f"the kvdaemon at {self.paths.root} went away (or another took its place) "
+                        "before it answered; the request may not have been carried out"
+                    )
                 if left_s <= ALIVE_POLL_S:
                     return None
                 continue

@@ -52,3 +52,7 @@ class EnginePool(BlockSource, Protocol):
     def wake(self) -> None:
         """Return once the pool is awake; raises (``Asleep``, ``NoMemory``...) if it cannot be yet."""
         ...
+
+    def note_activity(self) -> None:
+        """The engine ran a step over the pool: it is busy, whatever its blocks do."""
+        ...

@@ -262,9 +262,12 @@ class Lease:
         reply, _ = self._grant_call("shrink", self._args(logical_pages=list(logical_pages)), self.timeout_s)
         return int(result_of(reply)["num_released"])
 
-    def heartbeat(self, used_bytes: int | None = None, sleepable: bool | None = None) -> dict[str, Any]:
-        """Tell the daemon we are alive, how many bytes of blocks we hold, whether we can quiesce."""
-        args = self._args()
+    def heartbeat(
+        self, used_bytes: int | None = None, sleepable: bool | None = None, active: bool = False
+    ) -> dict[str, Any]:
+        """Tell the daemon we are alive, how many bytes of blocks we hold, whether we can
+        quiesce, and whether the engine stepped since the last heartbeat."""
+        args = self._args(active=active)
         if used_bytes is not None:
             args["used_bytes"] = used_bytes
         if sleepable is not None:

@@ -101,3 +101,6 @@ class LocalPool:
 
     def wake(self) -> None:
         """Never asleep: nothing to do."""
+
+    def note_activity(self) -> None:
+        """No daemon to tell: nothing to do."""

@@ -198,12 +198,21 @@ class KVPool:
         return self._caches[index]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy K and V of every layer from blocks ``src`` to blocks ``dst`` (all live)."""
+        """Copy K and V of every layer from blocks ``src`` to blocks ``dst``.
+
+        Every id must be a block this pool handed out and not freed (so its pages
+        are mapped): anything else is ``BadRequest`` and nothing is copied.
+        """
         import torch
 
         self._check_open()
         if len(src) != len(dst):
             raise BadRequest(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
+        allocator = self.core.allocator
+        for block in (*src, *dst):
+            if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks \
+                    or not allocator.is_live(block):  # fmt: skip
+                raise BadRequest(f"copy_blocks: block {block!r} is not a live block of pool {self.name!r}")
         device = self._caches[0].device
         src_t = torch.tensor(src, dtype=torch.long, device=device)
         dst_t = torch.tensor(dst, dtype=torch.long, device=device)
@@ -329,6 +338,12 @@ class KVPool:
             return channel.call("sleep", {"name": self.name, "mode": mode, "token": lease.token}, WAKE_WAIT_S)
         finally:
             channel.close()
+
+    def note_activity(self) -> None:
+        """Tell the daemon (at the agent's next heartbeat) that the engine is busy, so idle
+        time (``kvdaemon wait --idle``, the idle policy) counts from its last step, not from
+        its last block change. O(1), no lock, no round trip."""
+        self.core.active = True
 
     def wait_state(self, accept: Callable[[PoolState], bool], timeout_s: float) -> bool:
         """Wait until the pool's state satisfies ``accept``; False on timeout."""

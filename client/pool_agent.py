@@ -150,8 +150,9 @@ class PoolAgent:
             core.retry_returns()
             used = core.allocator.num_live * core.spec.block_bytes * core.spec.num_segments
         report = (used, core.quiesce_hook is not None)
-        if report != self._reported:
-            core.lease.heartbeat(used_bytes=report[0], sleepable=report[1])
+        active, core.active = core.active, False
+        if report != self._reported or active:
+            core.lease.heartbeat(used_bytes=report[0], sleepable=report[1], active=active)
             self._reported = report
 
     def _detached(self) -> None:

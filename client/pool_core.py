@@ -11,8 +11,10 @@ page move goes through here, under the lock:
   reply came late is adopted here (mapped as spare pages) before asking again.
 - ``return_excess``: spare pages past ``num_spare_pages``, and pages owed after
   a lowered limit, are unmapped and given back (the agent runs it, not the
-  engine). Logical page 0 is never given back while the pool lives, so every
-  tensor's base address stays mapped (GPU kernel launchers check it).
+  engine). Logical page 0 is the first page a pool maps and is never given
+  back while any other page is mapped, so every tensor's base address is
+  mapped whenever the pool holds a block (GPU kernel launchers check it); it
+  goes last, when a limit under one logical page asks for it.
 - ``drop_all_pages``: unmap everything without telling the daemon (revoked,
   closing).
 
@@ -65,6 +67,8 @@ class PoolCore:
         self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed
         self.pending_return: set[int] = set()  # unmapped here, shrink not yet confirmed
         self.num_block_losses = 0  # times every block was dropped (cold sleep, empty restart)
+        self.active = False  # the engine stepped since the last heartbeat (``note_activity``)
+        self.relink_error: str | None = None  # why re-registering with a new daemon failed
         self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
         self.resume_hook: Callable[[], None] | None = None  # the engine may step again
         self.reclaim_hook: Callable[[int], int] | None = None  # evicts up to N cache-only blocks
@@ -94,6 +98,11 @@ class PoolCore:
         if state.asleep or state is PoolState.SLEEP_PENDING:
             raise Asleep(f"pool {self.name!r} is {state.value}; wake it first")
         if state is PoolState.DETACHED or self.lease.lost.is_set():
+            if self.relink_error is not None:
+                raise DaemonUnreachable(
+                    f"pool {self.name!r} is not registered with the daemon running now "
+                    f"(re-registering failed: {self.relink_error}); no new pages until it is"
+                )
             raise DaemonUnreachable(
                 f"pool {self.name!r}: the daemon is gone; no new pages until one runs again"
             )
@@ -178,6 +187,8 @@ class PoolCore:
         among them) and owed ones; return how many went."""
         pinned = 0 in self.allocator.spare
         spare = [lp for lp in self.allocator.spare_pages() if lp != 0]
+        if self.owed_pages and pinned and list(self.segments.pages) == [0]:
+            spare = [0]  # a limit under one logical page: even the pinned page goes, being the last
         owed = min(len(spare), self.owed_pages)
         num = max(len(spare) - max(0, self.num_spare_pages - pinned), owed)
         if num <= 0:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from kvdaemon.client.lease import Lease
 from kvdaemon.client.pool_core import PoolCore
 from kvdaemon.client.pool_state import PoolState
-from kvdaemon.errors import KVDaemonError
+from kvdaemon.errors import DaemonUnreachable, KVDaemonError
 
 log = logging.getLogger("kvdaemon.client.pool")
 
@@ -38,9 +38,15 @@ def try_reconnect(core: PoolCore, relink: Callable[[], Lease]) -> bool:
     """One attempt; True once the pool is registered with a live daemon again."""
     try:
         lease = relink()
-    except KVDaemonError as exc:
+    except DaemonUnreachable as exc:
         log.debug("pool %s: no new daemon yet: %s", core.name, exc)
         return False
+    except KVDaemonError as exc:  # a daemon runs but refuses us (the name taken...): say why
+        if exc.message != core.relink_error:
+            log.warning("pool %s: re-registering failed, retrying: %s", core.name, exc)
+        core.relink_error = exc.message
+        return False
+    core.relink_error = None
     lease.on_notice = core.lease.on_notice  # notices from now on reach the agent (queued till the move ends)
     if core.quiesce_hook is not None:
         core.quiesce_hook()

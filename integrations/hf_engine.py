@@ -201,6 +201,7 @@ class Engine:
             if not batch:
                 return []
             next_ids = self._forward(batch)
+            self.pool.note_activity()  # busy, however slowly its blocks fill
             self.num_steps += 1
             self.num_generated_tokens += len(next_ids)
             self.last_num_scheduled_tokens = batch.num_tokens

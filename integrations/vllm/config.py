@@ -3,7 +3,7 @@
 Variables (read by ``PluginConfig.from_env`` at plugin load, never at import):
 
 - ``KVDAEMON_VLLM_TENANT``: the tenant name; unset or empty, the plugin does nothing;
-- ``KVDAEMON_DIR``: the daemon's directory (default ``/tmp/kvdaemon-$UID``);
+- ``KVDAEMON_DIR``: the daemon's directory (default: ``kvdaemon.wire.paths.default_dir``, as every client);
 - ``KVDAEMON_VLLM_MAX`` / ``KVDAEMON_VLLM_MIN``: the tenant's limit and
   guarantee, as ``kvdaemon limit`` takes them (``8GiB``, ``40%`` of the daemon);
 - ``KVDAEMON_VLLM_WEIGHT``: its share under contention (default 1).

@@ -66,6 +66,8 @@ class EngineGate:
                 self.scheduler = scheduler
             self._catch_up(needs_memory)
             yield
+            if needs_memory:
+                self.pool.note_activity()  # the engine scheduled: busy, for idle time
             if needs_memory and self.block_pool is not None and self.pool.sleep_mode is None:
                 self.block_pool.release_spare()
 

@@ -18,7 +18,7 @@ import click
 
 from kvdaemon.cli import detach, lifecycle, reach, tenant_commands, top_live, top_view
 from kvdaemon.cli.options import (
-    JsonAwareCommand, command_help, config_option, daemon_dir, daemon_options, dir_option,
+    JsonAwareCommand, command_help, daemon_dir, daemon_options,
 )  # fmt: skip
 from kvdaemon.cli.output import emit, reporting
 from kvdaemon.cli.tenant_commands import stdout_console
@@ -174,26 +174,29 @@ def version(dir_flag: Path | None, config_file: Path | None, as_json: bool) -> N
     short_help="Live view of every tenant; q quits.",
     epilog=command_help("kvdaemon top --sort idle\nkvdaemon top --once | grep llama"),
 )
-@dir_option
-@config_option
+@daemon_options
 @click.option("--once", is_flag=True, help="Print one frame and exit (also when stdout is no TTY).")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
               metavar="SECONDS", help="Seconds between refreshes.")
 @click.option("--sort", type=click.Choice(tuple(top_view.SORTS)), default="mapped",
               show_default=True, help="Order of the tenants (keys m, u, n, i, s change it live).")
 @reporting
-def top(dir_flag: Path | None, config_file: Path | None, once: bool, interval: float,
+def top(dir_flag: Path | None, config_file: Path | None, as_json: bool, once: bool, interval: float,
         sort: str) -> None:  # fmt: skip
     """Live view of capacity, free memory and every tenant: state in words, sizes,
     a bar of mapped against the limit, idle time, and what a tenant over a lowered
     limit still owes. q or Ctrl-C quits; m, u, n, i, s sort.
 
     Exits 1 when no daemon answers at the start; a daemon that goes away
-    later is shown as unreachable and polled until it is back.
+    later is shown as unreachable and polled until it is back. --json prints
+    one frame's data, the status object (as `status --json`), and exits.
     """
     root = daemon_dir(dir_flag, config_file)
     with reach.talking(root, timeout_s=TOP_STATUS_TIMEOUT_S) as client:
         snapshot = client.status()
+        if as_json:
+            emit(True, {"dir": str(root), **snapshot}, "")
+            return
         if once or not sys.stdout.isatty():
             stdout_console().print(top_view.frame(root, snapshot, sort=sort))
             return

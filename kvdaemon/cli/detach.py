@@ -17,7 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvdaemon.cli.exit_codes import EXIT_USAGE
-from kvdaemon.cli.lifecycle import already_running, prepare_dir, running_pid
+from kvdaemon.cli.lifecycle import already_running, prepare_dir
+from kvdaemon.wire.paths import running_pid
 from kvdaemon.cli.logs import open_append
 from kvdaemon.client import KVClient
 from kvdaemon.daemon.config import DaemonConfig

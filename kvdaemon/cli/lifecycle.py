@@ -34,6 +34,7 @@ from kvdaemon.cli.logs import FILE_MODE, logging_to
 from kvdaemon.cli.notify import notify_ready, notify_stopping
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.errors import ConfigError, Conflict
+from kvdaemon.wire.paths import read_pid as _read_pid
 from kvdaemon.wire.paths import PRIVATE_DIR_MODE as DIR_MODE
 from kvdaemon.wire.paths import DaemonPaths, check_private_dir
 from kvdaemon.wire.sizes import format_bytes
@@ -130,24 +131,6 @@ def _make_private_dir(path: Path) -> None:
         os.close(fd)
 
 
-def running_pid(paths: DaemonPaths) -> int | None:
-    """The pid of the daemon holding ``paths``' lock, 0 if it holds it but its pid is
-    unknown yet, or ``None`` when no daemon runs there. Costs one open and flock."""
-    try:
-        fd = os.open(paths.lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as err:
-        raise ConfigError(f"cannot read {paths.lock_file}: {err.strerror}") from err
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return _read_pid(paths) or 0
-    finally:
-        os.close(fd)
-    return None
-
-
 @contextmanager
 def _exclusive_lock(paths: DaemonPaths) -> Iterator[None]:
     """Hold the directory's lock while inside; ``Conflict`` when a daemon holds it.
@@ -178,19 +161,6 @@ def _exclusive_lock(paths: DaemonPaths) -> Iterator[None]:
 def already_running(paths: DaemonPaths, pid: int | None) -> Conflict:
     shown = f"pid {pid}" if pid else "pid not written yet"
     return Conflict(f"a kvdaemon is already running at {paths.root} ({shown})")
-
-
-def _read_pid(paths: DaemonPaths) -> int | None:
-    try:
-        fd = os.open(paths.pid_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    with os.fdopen(fd) as stream:
-        text = stream.read(32)
-    try:
-        return int(text.strip())
-    except ValueError:
-        return None
 
 
 @contextmanager

@@ -1,7 +1,7 @@
 """Reaching a running daemon from the CLI, and stopping it.
 
 Whether a daemon runs is read from its directory's lock (one open and flock,
-``lifecycle.running_pid``), so a dead daemon's leftover socket costs no
+``wire.paths.running_pid``), so a dead daemon's leftover socket costs no
 timeout, and a daemon that holds the lock but does not answer is told apart
 from none at all: ``NotAnswering`` (exit 4) instead of ``DaemonUnreachable``
 (exit 1).
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from kvdaemon.cli.lifecycle import running_pid
+from kvdaemon.wire.paths import running_pid
 from kvdaemon.client import KVClient
 from kvdaemon.errors import DaemonUnreachable, LifecycleError, NotAnswering
 from kvdaemon.wire.paths import DaemonPaths, check_private_dir
@@ -103,6 +103,7 @@ def stop(dir: Path, timeout_s: float = 30.0) -> Stopped:  # noqa: A002
             raise
         log.warning("kvdaemon %d at %s does not answer; sending SIGTERM", pid, dir)
         os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)  # a stopped (SIGSTOP) daemon handles the TERM once it runs
         signalled = True
     except DaemonUnreachable:
         return Stopped(None)

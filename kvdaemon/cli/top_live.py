@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.live import Live
 
 from kvdaemon.cli import top_view
-from kvdaemon.cli.lifecycle import running_pid
+from kvdaemon.wire.paths import running_pid
 from kvdaemon.client import KVClient
 from kvdaemon.errors import DaemonUnreachable
 from kvdaemon.wire.paths import DaemonPaths

@@ -3,9 +3,12 @@
 :func:`bounded_server` builds a :class:`BoundedServer`: one thread per request
 as ``ThreadingMixIn`` would, but
 
-- at most ``max_handlers`` requests are handled at once; a connection accepted
-  past that is closed at once, unanswered, by the accepting thread (so the
-  process never holds more than ``max_handlers + 1`` server threads);
+- at most ``max_handlers`` requests are handled at once (so the process never
+  holds more than ``max_handlers + 1`` server threads); a connection accepted
+  when all are busy takes the slot of the oldest one still sending its
+  request (a slow or silent client is closed, a request whose head has come is
+  served), waiting at most ``SLOT_WAIT_S``, else it is closed unanswered: slow
+  clients cannot keep ``/healthz`` or a scrape out;
 - a request must arrive whole (request line and headers) within
   ``request_timeout_s`` of its connection, however slowly its bytes trickle in,
   and every read or write waits at most that long;
@@ -27,6 +30,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 MAX_HANDLERS = 8
 REQUEST_TIMEOUT_S = 5.0
+SLOT_WAIT_S = 1.0
 
 
 class _DeadlineReader(io.RawIOBase):
@@ -59,6 +63,11 @@ class _BoundedHandler(WSGIRequestHandler):
         deadline = time.monotonic() + self.server.request_timeout_s
         self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline))
 
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # reads the headers: the head is whole after this
+        self.server.head_received(self.connection)  # from now on it is served, not evicted
+        return parsed
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         pass
 
@@ -75,6 +84,8 @@ class BoundedServer(WSGIServer):
         self.request_timeout_s = request_timeout_s
         self.max_handlers = max_handlers
         self._slots = threading.BoundedSemaphore(max_handlers)
+        self._reading: dict[socket.socket, float] = {}  # connections still sending their head
+        self._reading_lock = threading.Lock()
         super().__init__((host, port), _BoundedHandler)
 
     def server_bind(self) -> None:
@@ -87,10 +98,15 @@ class BoundedServer(WSGIServer):
         self.setup_environ()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """Hand the request to a new thread if a slot is free, else close it at once."""
+        """Hand the request to a new thread; when every slot is busy, evict the oldest
+        connection still sending its head and wait for its slot (see the module docstring)."""
         if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+            self._evict_slowest()
+            if not self._slots.acquire(timeout=SLOT_WAIT_S):
+                self.shutdown_request(request)
+                return
+        with self._reading_lock:
+            self._reading[request] = time.monotonic()
         thread = threading.Thread(
             target=self._handle, args=(request, client_address), name="kvdaemon-metrics-request",
             daemon=True,
@@ -103,8 +119,25 @@ class BoundedServer(WSGIServer):
         except Exception:  # noqa: BLE001 - a timed-out or broken request ends only itself
             pass
         finally:
+            self.head_received(request)
             self.shutdown_request(request)
             self._slots.release()
+
+    def head_received(self, request: socket.socket) -> None:
+        with self._reading_lock:
+            self._reading.pop(request, None)
+
+    def _evict_slowest(self) -> None:
+        """Shut the oldest connection still sending its request head; its handler then ends."""
+        with self._reading_lock:
+            if not self._reading:
+                return
+            oldest = min(self._reading, key=self._reading.__getitem__)
+            del self._reading[oldest]
+        try:
+            oldest.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already gone
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Failed requests (timeouts, resets) print nothing."""

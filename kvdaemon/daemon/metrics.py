@@ -2,9 +2,9 @@
 
 :class:`Metrics` owns one private ``CollectorRegistry`` (never the global
 one, so several daemons or tests can live in one process) and serves it over
-HTTP on the configured address (``127.0.0.1`` by default): ``/metrics`` (any
-other path too, as Prometheus clients expect) and ``/healthz``, which answers
-``ok`` without touching the daemon's state. Event metrics (grant latency,
+HTTP on the configured address (``127.0.0.1`` by default): ``/metrics`` (and
+``/``), ``/healthz``, which answers ``ok`` without touching the daemon's state,
+and 404 for anything else. Event metrics (grant latency,
 pages granted and shrunk, lease expiries) are updated by the daemon as they
 happen and cost a lock and an add each. Pool and tenant gauges are not stored
 at all: each scrape calls the ``snapshot`` callable (the ``status`` object of
@@ -44,18 +44,24 @@ GRANT_LATENCY_BUCKETS_S = (
 LISTEN_ADDR = "127.0.0.1"
 SHUTDOWN_POLL_S = 0.05  # how often the server thread checks for stop(); bounds stop()'s wait
 HEALTH_PATH = "/healthz"
+METRICS_PATHS = ("/metrics", "/")
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
 def _with_health(metrics_app: WsgiApp) -> WsgiApp:
-    """``/healthz`` answers ``ok`` at once (no snapshot, no lock); every other path is metrics."""
+    """``/healthz`` answers ``ok`` at once (no snapshot, no lock); ``METRICS_PATHS`` are
+    the metrics; anything else is 404."""
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") == HEALTH_PATH:
+        path = environ.get("PATH_INFO")
+        if path == HEALTH_PATH:
             start_response("200 OK", [("Content-Type", "text/plain; charset=utf-8")])
             return [b"ok\n"]
-        return metrics_app(environ, start_response)
+        if path in METRICS_PATHS:
+            return metrics_app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: /metrics and /healthz are served here\n"]
 
     return app
 

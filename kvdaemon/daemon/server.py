@@ -257,6 +257,10 @@ class Daemon:
         with self.service.lock:
             self.service.reclaimer.cancel_all(DaemonUnreachable("the daemon is stopping"))
             for tenant in self.service.tenants:
+                if tenant.warm is not None:
+                    log.warning("tenant %s sleeps warm: its %d bytes of KV kept in host memory die with "
+                                "this daemon (it wakes empty under the next one)", tenant.name,
+                                tenant.warm.host_bytes)  # fmt: skip
                 self.service.sleeper.forget(tenant)  # a warm copy dies with the daemon
                 notify(self.leases, tenant.tenant_id, ShutdownNotice())
         self.leases.close_all()

@@ -50,7 +50,7 @@ from kvdaemon.errors import (
 )
 from kvdaemon.wire.messages import SLEEP_MODES
 from kvdaemon.wire.protocol import (
-    MAX_INT, PROTOCOL_VERSION, REQUEST_LIMITS, Args, decode, reply_error, reply_ok,
+    MAX_INT, PROTOCOL_VERSION, REQUEST_LIMITS, Args, decode, peek_request_id, reply_error, reply_ok,
 )
 
 log = logging.getLogger("kvdaemon.service")
@@ -118,7 +118,7 @@ class Service:
         try:
             message = decode(raw, REQUEST_LIMITS)  # the cost of one request is bounded
         except KVDaemonError as exc:
-            return reply_error(None, exc)
+            return reply_error(peek_request_id(raw), exc)
         return self.serve(message, routing_id, self.sink)
 
     def serve(self, message: dict[str, Any], routing_id: bytes, sink: ReplySink) -> bytes | None:
@@ -183,6 +183,7 @@ class Service:
         pid = args.int("pid", 0, 1 << 31, default=0)
         sleepable = args.bool("sleepable")
         check_own(own, self.pages.capacity_bytes)
+        self._check_fits(spec, own.max_bytes)
         if name in self.tenants:
             raise Conflict(f"a tenant named {name!r} is already registered")
         bounded = self.limiter.for_registration(name, own)  # its own limits under the policy
@@ -201,6 +202,17 @@ class Service:
             "page_size": self.pages.page_size_bytes, "num_segments": spec.num_segments,
             "backend": self.backend.name, "max_bytes": limits.max_bytes, "limit": tenant.limits(),
         }
+
+    def _check_fits(self, spec: WireSpec, max_bytes: int | None) -> None:
+        """``BadRequest`` for a spec that could never hold one logical page here."""
+        logical_page_bytes = spec.num_segments * self.pages.page_size_bytes
+        room = self.pages.capacity_bytes if max_bytes is None else min(max_bytes, self.pages.capacity_bytes)
+        if logical_page_bytes > room:
+            raise BadRequest(
+                f"one logical page of this spec takes {logical_page_bytes} bytes ({spec.num_segments} "
+                f"segments of a {self.pages.page_size_bytes}-byte page), more than the {room} bytes "
+                "it could ever hold here: use fewer layers per tenant, a smaller --page-size, or more capacity"
+            )
 
     def op_grow(self, args: Args, call: Call) -> dict[str, Any] | PendingReply:
         tenant = self._authenticated(args)
@@ -232,6 +244,8 @@ class Service:
         used = args.opt_int("used_bytes", 0, MAX_INT)
         if used is not None and used != tenant.used_bytes:
             tenant.used_bytes = used
+            tenant.touch(self.clock())
+        if args.bool("active"):  # its engine stepped: busy, whatever its blocks did
             tenant.touch(self.clock())
         if args.has("sleepable"):
             tenant.sleepable = args.bool("sleepable")

@@ -15,7 +15,7 @@ grow          tenant, token, logical_pages (candidates, in order), min_pages?,
               wait_s? -> grant_id, pages [[lp, [page ids]]] (``min_pages`` <= n <=
               len(logical_pages), the first n candidates), max_bytes
 shrink        tenant, token, logical_pages -> num_released, mapped_bytes
-heartbeat     tenant, token, used_bytes?, sleepable? -> state, max_bytes, free_bytes
+heartbeat     tenant, token, used_bytes?, sleepable?, active? -> state, max_bytes, free_bytes
 unregister    tenant, token -> num_released
 status        -> the ``status --json`` object
 set_limit     name, max_bytes?, min_bytes?, weight?, revision?, max?, min? (size text:

@@ -19,13 +19,14 @@ session should all be given ``KVDAEMON_DIR`` explicitly.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvdaemon.errors import UnsafeDirectory
+from kvdaemon.errors import ConfigError, UnsafeDirectory
 
 PRIVATE_DIR_MODE = 0o700
 SYSTEM_DIR = Path("/run/kvdaemon")
@@ -122,3 +123,38 @@ class DaemonPaths:
     def sockets(self) -> list[Path]:
         return [self.control_socket, self.handle_socket]
 
+
+def running_pid(paths: DaemonPaths) -> int | None:
+    """The pid of the daemon holding ``paths``' lock, 0 if it holds it but its pid is
+    unknown yet, or ``None`` when no daemon runs there. Costs one open and flock.
+
+    The lock, not the pid file, says whether a daemon runs: the kernel drops it
+    when the process dies, even by SIGKILL.
+    """
+    try:
+        fd = os.open(paths.lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as err:
+        raise ConfigError(f"cannot read {paths.lock_file}: {err.strerror}") from err
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return read_pid(paths) or 0
+    finally:
+        os.close(fd)
+    return None
+
+
+def read_pid(paths: DaemonPaths) -> int | None:
+    """The pid in the directory's pid file, or ``None`` (missing, unreadable, not a number)."""
+    try:
+        fd = os.open(paths.pid_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd) as stream:
+        text = stream.read(32)
+    try:
+        return int(text.strip())
+    except ValueError:
+        return None

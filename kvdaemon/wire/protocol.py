@@ -66,6 +66,25 @@ def encode(obj: object) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def peek_request_id(data: bytes) -> int | None:
+    """The ``id`` of a request that does not decode as a whole, when it is its first entry.
+
+    Requests put ``id`` first (``request``), so a message refused for what
+    follows (a string over ``MAX_STR_LEN``, too many items) still gets an error
+    reply its sender can match. Reads at most the map header and one entry.
+    """
+    unpacker = msgpack.Unpacker(raw=False, max_str_len=MAX_STR_LEN, max_bin_len=MAX_STR_LEN,
+                                max_array_len=0, max_map_len=MAX_MAP_LEN, max_ext_len=0)  # fmt: skip
+    unpacker.feed(data[:64])
+    try:
+        if unpacker.read_map_header() < 1 or unpacker.unpack() != "id":
+            return None
+        value = unpacker.unpack()
+    except (ValueError, msgpack.UnpackException, TypeError, msgpack.OutOfData):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def decode(data: bytes, limits: DecodeLimits = MESSAGE_LIMITS) -> dict[str, Any]:
     """Unpack one message within ``limits``; raise ``BadRequest`` unless it is a map.
 
@@ -120,7 +139,15 @@ def _counting_hooks(limits: DecodeLimits) -> dict[str, Any]:
 
 
 def request(request_id: int, op: str, args: Mapping[str, Any]) -> bytes:
-    return encode({"id": request_id, "op": op, "args": dict(args)})
+    """One request, ``id`` first (see ``peek_request_id``); ``BadRequest`` when it is
+    larger than a daemon accepts (nothing is sent then)."""
+    try:
+        data = encode({"id": request_id, "op": op, "args": dict(args)})
+    except (OverflowError, TypeError, ValueError) as exc:  # an int past 64 bits, an object
+        raise BadRequest(f"a {op!r} request cannot be encoded: {exc}") from None
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise BadRequest(f"a {op!r} request of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
 
 
 def reply_ok(request_id: int | None, result: object) -> bytes:

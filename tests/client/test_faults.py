@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.daemon import swap
-from kvdaemon.errors import Conflict, NoReply
+from kvdaemon.errors import Conflict, DaemonUnreachable, NoReply
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, short_dir, start_daemon, wait_until
 
@@ -102,6 +103,7 @@ def test_a_graceful_stop_keeps_every_byte_and_the_next_daemon_takes_them_back(
         second.wait(30)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the bug we plant
 def test_a_loop_that_dies_releases_no_page_a_tenant_maps(monkeypatch: pytest.MonkeyPatch) -> None:
     with running_daemon("64MiB") as kvd:
         client = kvd.client()
@@ -289,3 +291,35 @@ def test_the_agent_survives_a_hook_that_raises(kvd: RunningDaemon, caplog: pytes
 def kvd() -> Iterator[RunningDaemon]:
     with running_daemon("64MiB") as running:
         yield running
+
+
+def test_a_request_to_a_daemon_that_dies_ends_at_once_not_at_its_timeout(
+    root: Path, daemons: Callable[[], subprocess.Popen[bytes]]
+) -> None:
+    """A `kvdaemon sleep` whose daemon is killed (and another started) used to wait its full
+    60 s, then blame the new daemon for not answering."""
+    first = daemons()
+    with KVClient(root) as owner, KVClient(root) as admin:
+        pool = owner.register("a", SPEC, num_prefetch_pages=0)
+        pool.alloc(1)
+        slow_step = threading.Event()
+        pool.quiesce_hook = slow_step.wait  # the engine never gets between steps
+        outcome: list[BaseException | dict[str, Any]] = []
+        asking = threading.Thread(target=lambda: outcome.append(_call(lambda: admin.sleep("a", timeout_s=120))))
+        asking.start()
+        wait_until(lambda: row(owner, "a")["state"] == "active" and asking.is_alive(), 5)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        daemons()
+        asking.join(30)
+        slow_step.set()
+        assert not asking.is_alive(), "the sleep waited on a daemon that is gone"
+        assert isinstance(outcome[0], DaemonUnreachable) and "went away" in outcome[0].message
+        pool.close()
+
+
+def _call(fn: Callable[[], Any]) -> BaseException | Any:
+    try:
+        return fn()
+    except BaseException as exc:  # noqa: BLE001 - handed to the test thread to assert on
+        return exc

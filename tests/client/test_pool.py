@@ -223,3 +223,34 @@ def test_a_lowered_limit_takes_busy_pages_as_their_blocks_are_freed(kvd: Running
     assert tenant_row(client, "a")["mapped_bytes"] == 2 * LOGICAL_PAGE_BYTES
     kvd.check_invariants()
     pool.close()
+
+
+def test_copy_blocks_refuses_blocks_that_are_not_live(kvd: RunningDaemon) -> None:
+    _, pool = register(kvd, num_prefetch_pages=0)
+    live = pool.alloc(2)
+    for src, dst in (([live[0]], [pool.num_blocks - 1]), ([10**7], [live[1]]), ([live[0]], [-1])):
+        with pytest.raises(BadRequest, match="not a live block"):
+            pool.copy_blocks(src, dst)  # an unmapped page would fault; a bad id is no IndexError
+    pool.copy_blocks([live[0]], [live[1]])
+    pool.close()
+
+
+def test_a_limit_under_one_logical_page_takes_even_page_zero(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd, num_prefetch_pages=0)
+    pool.free(pool.alloc(1))  # page 0 mapped, spare
+    client.set_limit("a", max_bytes=0)
+    wait_mapped(client, "a", 0)  # the last page goes too: nothing is owed for good
+    assert pool.mapped_bytes == 0 and pool.owed_pages == 0
+    pool.close()
+
+
+def test_requests_the_daemon_could_never_take_are_refused_before_sending(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    with pytest.raises(BadRequest, match="cannot be encoded"):
+        client.set_limit("a", max_bytes=1 << 70)
+    with pytest.raises(BadRequest, match="KVSpec"):
+        client.register("a", {"num_layers": 1})  # type: ignore[arg-type]
+    with pytest.raises(BadRequest, match="virtual_bytes"):
+        client.register("a", SPEC, virtual_bytes=1 << 62)
+    with pytest.raises(BadRequest, match="max_str_len"):
+        client.register("x" * 5000, SPEC)  # answered by the daemon, under its id: no timeout

@@ -106,6 +106,12 @@ def test_tenant_commands_json_and_idempotence(cli: Cli) -> None:
         client.close()
 
 
+def test_top_json_is_one_status_object(cli: Cli) -> None:
+    cli.started_pid()
+    frame = json_of(cli.run("top", "--json"))
+    assert set(frame) == STATUS_KEYS and frame["tenants"] == []
+
+
 def test_version_json(cli: Cli) -> None:
     alone = json_of(cli.run("version", "--json"))
     assert set(alone) == {"kvdaemon", "python", "torch", "cuda_bindings", "cuda_driver", "driver",

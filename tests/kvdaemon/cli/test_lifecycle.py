@@ -19,7 +19,7 @@ from kvdaemon.cli import detach, lifecycle, reach
 from kvdaemon.client import KVClient
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.errors import ConfigError, Conflict, DaemonUnreachable, UnsafeDirectory
-from kvdaemon.wire.paths import DaemonPaths
+from kvdaemon.wire.paths import DaemonPaths, running_pid
 from kvdaemon.wire.sizes import parse_size
 from tests.conftest import short_dir
 
@@ -86,18 +86,18 @@ def test_prepare_dir_refuses_another_users_dir(root: Path) -> None:
 
 def test_running_pid_reads_the_lock(root: Path) -> None:
     paths = DaemonPaths(root)
-    assert lifecycle.running_pid(paths) is None  # no lock file
+    assert running_pid(paths) is None  # no lock file
     paths.pid_file.write_text("4242\n")
     paths.lock_file.touch()
-    assert lifecycle.running_pid(paths) is None  # stale pid file, nobody holds the lock
+    assert running_pid(paths) is None  # stale pid file, nobody holds the lock
     fd = hold_lock(paths)
     try:
-        assert lifecycle.running_pid(paths) == 4242
+        assert running_pid(paths) == 4242
         paths.pid_file.unlink()
-        assert lifecycle.running_pid(paths) == 0  # held, pid not written yet
+        assert running_pid(paths) == 0  # held, pid not written yet
     finally:
         os.close(fd)
-    assert lifecycle.running_pid(paths) is None
+    assert running_pid(paths) is None
 
 
 def test_connect_fails_fast_without_a_daemon(root: Path) -> None:
@@ -138,7 +138,7 @@ def test_run_foreground_serves_until_shutdown_and_cleans_up(root: Path) -> None:
                 try:
                     seen["pid"] = client.hello()["pid"]
                     seen["pid_file"] = paths.pid_file.read_text()
-                    seen["running"] = lifecycle.running_pid(paths)
+                    seen["running"] = running_pid(paths)
                     client.shutdown()
                 finally:
                     client.close()
@@ -155,7 +155,7 @@ def test_run_foreground_serves_until_shutdown_and_cleans_up(root: Path) -> None:
     assert seen == {"pid": os.getpid(), "pid_file": f"{os.getpid()}\n", "running": os.getpid()}
     assert not paths.pid_file.exists()
     assert not any(path.exists() for path in paths.sockets())
-    assert lifecycle.running_pid(paths) is None
+    assert running_pid(paths) is None
     assert logging.getLogger("kvdaemon").handlers == handlers_before
     assert signal.getsignal(signal.SIGTERM) is sigterm_before
     assert f"kvdaemon {os.getpid()} stopped" in paths.log_file.read_text()
@@ -168,7 +168,7 @@ def test_start_detached_reports_a_refused_config_as_the_childs_own_error(root: P
     assert caught.value.code == "CONFIG"
     assert caught.value.message.startswith("capacity 1099511627776000 (1000.0 TiB) exceeds the device")
     assert "\n" not in caught.value.message
-    assert lifecycle.running_pid(DaemonPaths(root)) is None
+    assert running_pid(DaemonPaths(root)) is None
 
 
 def test_start_detached_refuses_a_running_daemon(root: Path) -> None:

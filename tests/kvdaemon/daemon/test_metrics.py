@@ -274,6 +274,29 @@ def test_half_sent_requests_cannot_pile_up_threads(fake: FakeDaemon) -> None:
         metrics.stop()
 
 
+def test_slow_clients_holding_every_handler_cannot_keep_health_checks_out(fake: FakeDaemon) -> None:
+    """Regression: 8 connections sending half a request held all 8 handlers, and every
+    /healthz and scrape was refused while they were re-opened. A new request now takes
+    the slot of the oldest connection still sending its head."""
+    metrics = Metrics(0, fake.snapshot, request_timeout_s=30.0, max_handlers=4)
+    metrics.start()
+    stalled: list[socket.socket] = []
+    try:
+        for _ in range(8):
+            sock = socket.create_connection(("127.0.0.1", metrics.bound_port), timeout=5)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never ends
+            stalled.append(sock)
+        for _ in range(5):
+            assert get(metrics, "/healthz")[2] == "ok\n"
+        assert scrape(metrics)[("kvdaemon_up", ())] == 1
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            get(metrics, "/nope")  # only /metrics, / and /healthz are served
+    finally:
+        for sock in stalled:
+            sock.close()
+        metrics.stop()
+
+
 def _closed_by_server(socks: list[socket.socket]) -> int:
     """How many of ``socks`` the server has closed (a read sees EOF or a reset at once)."""
     closed = 0

@@ -291,11 +291,18 @@ def test_max_bytes_is_clamped_to_capacity(h: Harness) -> None:
 
 
 def test_huge_grow_is_refused_before_any_work(h: Harness) -> None:
-    big = {**small_spec(num_layers=2048).to_wire()}
-    reg = h.ok("register", name="big", spec=big, num_virtual_pages=1 << 16)
+    reg = h.ok("register", name="big", spec=small_spec().to_wire(), num_virtual_pages=1 << 16)
     h.service.attach("big", reg["token"], pid=1)
     code = h.error("grow", **h.auth("big", reg["token"], logical_pages=list(range(60000))))
     assert code == "OVER_LIMIT"  # refused by arithmetic, before any page or owner is built
+
+
+def test_a_spec_that_could_never_hold_a_page_is_refused_at_registration(h: Harness) -> None:
+    big = small_spec(num_layers=2048).to_wire()  # 4096 segments: one logical page is 8 GiB
+    assert h.error("register", name="big", spec=big, num_virtual_pages=1) == "BAD_REQUEST"
+    small = small_spec().to_wire()  # 2 segments: 4 MiB a logical page, above its own limit
+    assert h.error("register", name="tiny", spec=small, num_virtual_pages=1, max_bytes=PAGE_BYTES) == "BAD_REQUEST"
+    assert h.ok("status")["tenants"] == []
 
 
 def start_sleep(h: Harness, name: str, mode: str = "warm") -> int:
@@ -349,3 +356,10 @@ def test_a_tenant_leaving_mid_sleep_answers_the_caller(h: Harness) -> None:
     start_sleep(h, "a")
     h.ok("unregister", **h.auth("a", reg["token"]))
     assert deferred(h)["ok"] is False
+
+
+def test_a_request_refused_as_a_whole_is_answered_under_its_id(h: Harness) -> None:
+    """A string past the decoder's limit (a 5000-character name) still gets its error reply
+    under the request's id, so the sender is answered rather than left to time out."""
+    reply = h.raw(request(31, "register", {"name": "x" * 5000, "spec": {}}))
+    assert (reply["id"], reply["ok"], reply["error"]["code"]) == (31, False, "BAD_REQUEST")
