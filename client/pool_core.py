@@ -1,6 +1,6 @@
 """``PoolCore``: what a pool's engine thread and its agent thread share, and its page moves.
 
-The core holds the pool's one lock, its state (``PoolStateCell``), its mapped
+The core holds the pool's lock (``PoolLock``: the lock and its block gate), its state (``PoolStateCell``), its mapped
 pages (``SegmentMap``), its blocks (``BlockAllocator``; a warm sleeper's set
 aside), its lease, what it knows of its limit, and the engine's hooks. Every
 page move goes through here, under the lock:
@@ -16,6 +16,10 @@ page move goes through here, under the lock:
 - ``drop_all_pages``: unmap everything without telling the daemon (revoked,
   closing).
 
+A page return's round trip runs with the block gate open: the engine's
+``alloc``/``free`` go on meanwhile (the pages returned are out of the
+allocator and unmapped before it opens).
+
 Cost: one daemon round trip per grow or return; O(pages) local work.
 """
 
@@ -23,12 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from kvdaemon.client.allocator import BlockAllocator
 from kvdaemon.client.lease import Grant, Lease
+from kvdaemon.client.pool_lock import PoolLock
 from kvdaemon.client.pool_state import PoolState, PoolStateCell
 from kvdaemon.client.segments import SegmentMap
 from kvdaemon.client.spec import KVSpec
@@ -55,7 +59,7 @@ class PoolCore:
         self.num_virtual_pages = num_virtual_pages
         self.num_spare_pages = num_spare_pages
         self.num_prefetch_pages = min(num_prefetch_pages, num_spare_pages)
-        self.lock = threading.Lock()
+        self.lock = PoolLock()
         self.cell = PoolStateCell(self.lock)
         self.segments = SegmentMap(self.backend, spec.num_segments, num_virtual_pages, self.page_bytes)
         self.allocator = self.new_allocator()
@@ -214,7 +218,8 @@ class PoolCore:
             return
         lps = sorted(self.pending_return)
         try:
-            self.lease.shrink(lps)
+            with self.lock.open_gate():  # the pages are out of the allocator and unmapped
+                self.lease.shrink(lps)
         except BadRequest:
             log.info("pool %s: pages %s were already given back", self.name, lps[:8])
         self.pending_return.difference_update(lps)
