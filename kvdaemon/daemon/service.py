@@ -40,7 +40,7 @@ from kvdaemon.daemon.device_pages import Owner, DevicePages
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reclaim import Reclaimer
 from kvdaemon.daemon.reply import Call, PendingReply, ReplySink
-from kvdaemon.daemon.sleep import Sleeper
+from kvdaemon.daemon.sleep import MAX_CACHED_BUFFER_BYTES, Sleeper
 from kvdaemon.daemon.tenant import Tenant, Tenants, WireSpec, check_name
 from kvdaemon.errors import (
     BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
@@ -70,7 +70,7 @@ class Service:
     ) -> None:
         self.config = config if config is not None else DaemonConfig()
         self.backend = backend
-        self.pages = DevicePages(backend)
+        self.pages = DevicePages(backend, max_idle=MAX_CACHED_BUFFER_BYTES // backend.page_size_bytes)
         self.leases = leases
         self.sink = sink
         self.clock = clock
@@ -257,7 +257,7 @@ class Service:
 
     def op_sleep_ready(self, args: Args, _call: Call) -> dict[str, Any]:
         tenant = self._authenticated(args)
-        return self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"))
+        return self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"), self.clock())
 
     def op_wake(self, args: Args, _call: Call) -> dict[str, Any]:
         return self.sleeper.wake(self._by_name(args), self.clock())
@@ -308,6 +308,7 @@ class Service:
                 log.info("tenant %s never attached its handle channel; dropped", tenant.name)
                 self.remove(tenant)
         self.sleeper.expire(now)
+        self.pages.trim(now)
         self.reclaimer.retry(now)
         if self.config.idle_sleep_s is not None:
             self.sleeper.sleep_idle(now, self.config.idle_sleep_s, self.config.idle_mode)
