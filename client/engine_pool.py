@@ -52,3 +52,8 @@ class EnginePool(BlockSource, Protocol):
     def wake(self) -> None:
         """Return once the pool is awake; raises (``Asleep``, ``NoMemory``...) if it cannot be yet."""
         ...
+
+    def keep_free(self, num_blocks: int) -> None:
+        """A hint: the engine's next steps will take about ``num_blocks`` blocks (a pool may
+        map them ahead and keep them from others; a fixed pool ignores it)."""
+        ...

@@ -286,6 +286,21 @@ class KVPool:
                 core.grow_for(num_blocks)
             return core.allocator.alloc(num_blocks)
 
+    def keep_free(self, num_blocks: int) -> None:
+        """Keep about ``num_blocks`` blocks free and mapped for the engine's next steps.
+
+        The agent maps pages ahead in the background when fewer are free (so
+        ``alloc`` finds them without a round trip), and returns no spare page,
+        also on a reclaim, that would leave fewer free. A lowered limit still
+        binds. Never waits; ``0`` (the default) keeps nothing back.
+        """
+        if type(num_blocks) is not int or num_blocks < 0:
+            raise BadRequest(f"cannot keep {num_blocks!r} blocks free")
+        core = self.core
+        core.reserve_blocks = num_blocks
+        if core.allocator.num_free < num_blocks:
+            self.agent.nudge()
+
     def _alloc_after_wake(self, num_blocks: int) -> list[int]:
         """Asleep with ``auto_wake``: wake (without the lock: the agent maps under it), then allocate."""
         core = self.core

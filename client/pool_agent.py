@@ -11,10 +11,12 @@ pool's lock only as long as each answer takes:
 - ``revoked``: every page is unmapped here and the pool ends (``REVOKED``);
 - ``shutdown``: logged; the lease's end follows.
 
-Then, on every wake-up (a notice, ``nudge()`` from ``free``, or each
-``HEARTBEAT_S``): returns excess spare pages, retries unconfirmed returns,
-adopts late grants, and tells the daemon ``used_bytes`` and whether the pool can
-be quiesced when they changed. When the daemon is gone it keeps the pool
+Then, on every wake-up (a notice, ``nudge()`` from ``free`` or ``keep_free``,
+or each ``HEARTBEAT_S``): adopts late grants, grows ahead to the engine's
+reserve (``PoolCore.grow_ahead``; refused while the daemon has nothing free,
+then tried again after ``GROW_RETRY_S``, by when other tenants were asked for
+pages), returns excess spare pages, retries unconfirmed returns, and tells the
+daemon ``used_bytes`` and whether the pool can be quiesced when they changed. When the daemon is gone it keeps the pool
 serving from its mappings (``DETACHED``) and re-registers with the next daemon
 (``pool_reconnect``).
 
@@ -41,6 +43,7 @@ from kvdaemon.wire.messages import (
 
 log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
+GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon
 
 
 class PoolAgent:
@@ -55,6 +58,7 @@ class PoolAgent:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._reported: tuple[int, bool] | None = None  # (used bytes, sleepable) last told
+        self._next_wait_s = HEARTBEAT_S
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"kvpool-{self.core.name}", daemon=True)
@@ -78,7 +82,7 @@ class PoolAgent:
 
     def _loop(self) -> None:
         while not self._stopping:
-            self._wake.wait(HEARTBEAT_S)
+            self._wake.wait(self._next_wait_s)
             self._wake.clear()
             with self._inbox_lock:
                 notices, self._inbox = self._inbox, []
@@ -143,12 +147,15 @@ class PoolAgent:
         if core.lease.lost.is_set():
             self._detached()
             return
+        ahead = True
         with core.lock:
             if core.state is PoolState.ACTIVE:
                 core.adopt_late_grants()
+                ahead = core.grow_ahead()
                 core.return_excess()
             core.retry_returns()
             used = core.allocator.num_live * core.spec.block_bytes * core.spec.num_segments
+        self._next_wait_s = HEARTBEAT_S if ahead else GROW_RETRY_S
         report = (used, core.quiesce_hook is not None)
         if report != self._reported:
             core.lease.heartbeat(used_bytes=report[0], sleepable=report[1])

@@ -9,16 +9,21 @@ page move goes through here, under the lock:
   is asked for at least the pages needed and at most that plus prefetch, never
   past the limit the pool knows (refused locally, no round trip). A grow whose
   reply came late is adopted here (mapped as spare pages) before asking again.
+- ``grow_ahead``: the agent maps pages in the background until
+  ``reserve_blocks`` blocks are free (the engine's ``keep_free``: what its
+  next steps will take), so the engine's allocations find them mapped;
 - ``return_excess``: spare pages past ``num_spare_pages``, and pages owed after
-  a lowered limit, are unmapped and given back (the agent runs it, not the
-  engine). Logical page 0 is never given back while the pool lives, so every
-  tensor's base address stays mapped (GPU kernel launchers check it).
+  a lowered limit or a reclaim, are unmapped and given back (the agent runs
+  it, not the engine), never so many that fewer than ``reserve_blocks`` stay
+  free (a reclaim never takes what the engine's next steps need). Logical
+  page 0 is never given back while the pool lives, so every tensor's base
+  address stays mapped (GPU kernel launchers check it).
 - ``drop_all_pages``: unmap everything without telling the daemon (revoked,
   closing).
 
-A page return's round trip runs with the block gate open: the engine's
+Grow and return round trips run with the block gate open: the engine's
 ``alloc``/``free`` go on meanwhile (the pages returned are out of the
-allocator and unmapped before it opens).
+allocator and unmapped before it opens; granted pages join it after).
 
 Cost: one daemon round trip per grow or return; O(pages) local work.
 """
@@ -67,6 +72,7 @@ class PoolCore:
         self.max_bytes: int | None = lease.limit.get("max_bytes")
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
         self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed
+        self.reserve_blocks = 0  # kept free and mapped for the engine's next steps (``keep_free``)
         self.pending_return: set[int] = set()  # unmapped here, shrink not yet confirmed
         self.num_block_losses = 0  # times every block was dropped (cold sleep, empty restart)
         self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
@@ -104,12 +110,13 @@ class PoolCore:
 
     # -- growing (lock held) -----------------------------------------------------
 
-    def grow_for(self, num_blocks: int) -> None:
+    def grow_for(self, num_blocks: int, wait_s: float | None = None) -> None:
         """Map pages until ``num_blocks`` blocks are free; ``PoolExhausted`` when it cannot.
 
-        Raises ``DaemonUnreachable`` (``NoReply`` when the daemon holds its
-        directory but is slow: the grow stays outstanding), ``Asleep``,
-        ``PoolClosed``. Nothing is allocated here.
+        ``wait_s``: how long the daemon may wait for other tenants' pages
+        (default ``grow_wait_s``). Raises ``DaemonUnreachable`` (``NoReply``
+        when the daemon holds its directory but is slow: the grow stays
+        outstanding), ``Asleep``, ``PoolClosed``. Nothing is allocated here.
         """
         self.adopt_late_grants()
         while num_blocks > self.allocator.num_free:
@@ -130,11 +137,40 @@ class PoolCore:
                 )
             del candidates[headroom:]
             try:
-                granted = self.lease.grow(candidates, self.grow_wait_s, min_pages=needed)
+                with self.lock.open_gate():  # candidates stay unmapped: only lock holders map
+                    granted = self.lease.grow(candidates, self.grow_wait_s if wait_s is None else wait_s,
+                                              min_pages=needed)
             except (NoMemory, OverLimit) as exc:
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
             self.map_grant(granted)
             self.owed_pages = 0  # the daemon granted more: it no longer wants pages back
+
+    def grow_ahead(self) -> bool:
+        """Map pages until ``reserve_blocks`` are free, if the daemon has them now (lock held).
+
+        False when it could not (no memory free: the daemon has asked other
+        tenants for pages, so a later try may succeed).
+        """
+        want = min(self.reserve_blocks, self.allocator.num_blocks)
+        if self.cell.state is not PoolState.ACTIVE or want <= self.allocator.num_free:
+            return True
+        try:
+            self.grow_for(want, wait_s=0)
+        except PoolExhausted:
+            return False
+        return True
+
+    def num_returnable(self, spare: list[int]) -> int:
+        """How many of ``spare`` (spare pages) may go without leaving fewer than
+        ``reserve_blocks`` free blocks."""
+        extra = self.allocator.num_free - self.reserve_blocks
+        return max(0, min(len(spare), extra // self.allocator.blocks_per_page))
+
+    def pages_over_limit(self) -> int:
+        """Logical pages mapped past the known limit (0 when within it or unknown)."""
+        if self.max_bytes is None:
+            return 0
+        return max(0, -(-(self.mapped_bytes - self.max_bytes) // self.logical_page_bytes))
 
     def headroom_pages(self) -> int:
         """Logical pages the known limit still allows (a large number when unknown)."""
@@ -183,7 +219,8 @@ class PoolCore:
         pinned = 0 in self.allocator.spare
         spare = [lp for lp in self.allocator.spare_pages() if lp != 0]
         owed = min(len(spare), self.owed_pages)
-        num = max(len(spare) - max(0, self.num_spare_pages - pinned), owed)
+        num = min(max(len(spare) - max(0, self.num_spare_pages - pinned), owed), self.num_returnable(spare))
+        num = max(num, min(len(spare), self.pages_over_limit()))  # a limit binds whatever the reserve
         if num <= 0:
             return 0
         self.owed_pages -= min(owed, num)
@@ -195,7 +232,8 @@ class PoolCore:
         with self.lock:
             if self.cell.state is not PoolState.ACTIVE:
                 return 0
-            spare = [lp for lp in self.allocator.spare_pages() if lp != 0][:num_pages]
+            spare = [lp for lp in self.allocator.spare_pages() if lp != 0]
+            spare = spare[: min(num_pages, self.num_returnable(spare))]
             if spare:
                 self._return(spare)
             return len(spare)
