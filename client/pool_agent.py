@@ -15,7 +15,7 @@ Then, on every wake-up (a notice, ``nudge()`` from ``free`` or ``keep_free``,
 or each ``HEARTBEAT_S``): adopts late grants, grows ahead to the engine's
 reserve (``PoolCore.grow_ahead``; refused while the daemon has nothing free,
 then tried again after ``GROW_RETRY_S``, by when other tenants were asked for
-pages), returns excess spare pages, retries unconfirmed returns, and tells the
+pages, and each time twice as late up to ``HEARTBEAT_S``), returns excess spare pages, retries unconfirmed returns, and tells the
 daemon ``used_bytes`` and whether the pool can be quiesced when they changed. When the daemon is gone it keeps the pool
 serving from its mappings (``DETACHED``) and re-registers with the next daemon
 (``pool_reconnect``).
@@ -43,7 +43,7 @@ from kvdaemon.wire.messages import (
 
 log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
-GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon
+GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon, then twice as late each time
 
 
 class PoolAgent:
@@ -59,6 +59,7 @@ class PoolAgent:
         self._thread: threading.Thread | None = None
         self._reported: tuple[int, bool] | None = None  # (used bytes, sleepable) last told
         self._next_wait_s = HEARTBEAT_S
+        self._retry_s = GROW_RETRY_S
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"kvpool-{self.core.name}", daemon=True)
@@ -155,7 +156,10 @@ class PoolAgent:
                 core.return_excess()
             core.retry_returns()
             used = core.allocator.num_live * core.spec.block_bytes * core.spec.num_segments
-        self._next_wait_s = HEARTBEAT_S if ahead else GROW_RETRY_S
+        if ahead:
+            self._retry_s, self._next_wait_s = GROW_RETRY_S, HEARTBEAT_S
+        else:
+            self._next_wait_s, self._retry_s = self._retry_s, min(HEARTBEAT_S, 2 * self._retry_s)
         report = (used, core.quiesce_hook is not None)
         if report != self._reported:
             core.lease.heartbeat(used_bytes=report[0], sleepable=report[1])

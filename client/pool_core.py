@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,10 @@ from kvdaemon.errors import (
 )
 
 log = logging.getLogger("kvdaemon.client.pool")
+REFUSED_S = 0.1
+"""After the daemon refused a grow for want of memory, a grow that may not wait of a pool
+with a reserve (an engine's: the agent probes for it) is refused here, without a round
+trip, for this long."""
 
 
 class PoolCore:
@@ -73,6 +78,7 @@ class PoolCore:
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
         self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed
         self.reserve_blocks = 0  # kept free and mapped for the engine's next steps (``keep_free``)
+        self.refused_at = float("-inf")  # when the daemon last had no memory for a grow
         self.pending_return: set[int] = set()  # unmapped here, shrink not yet confirmed
         self.num_block_losses = 0  # times every block was dropped (cold sleep, empty restart)
         self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
@@ -110,17 +116,22 @@ class PoolCore:
 
     # -- growing (lock held) -----------------------------------------------------
 
-    def grow_for(self, num_blocks: int, wait_s: float | None = None) -> None:
+    def grow_for(self, num_blocks: int, wait_s: float | None = None, probe: bool = False) -> None:
         """Map pages until ``num_blocks`` blocks are free; ``PoolExhausted`` when it cannot.
 
         ``wait_s``: how long the daemon may wait for other tenants' pages
-        (default ``grow_wait_s``). Raises ``DaemonUnreachable`` (``NoReply``
+        (default ``grow_wait_s``). A grow that may not wait, of a pool with a
+        reserve, is refused here within ``REFUSED_S`` of the daemon's last
+        refusal, unless it is the agent's ``probe``. Raises ``DaemonUnreachable`` (``NoReply``
         when the daemon holds its directory but is slow: the grow stays
         outstanding), ``Asleep``, ``PoolClosed``. Nothing is allocated here.
         """
         self.adopt_late_grants()
+        wait = self.grow_wait_s if wait_s is None else wait_s
         while num_blocks > self.allocator.num_free:
             self.check_can_grow()
+            if wait == 0 and not probe and self.reserve_blocks and time.monotonic() - self.refused_at < REFUSED_S:
+                raise PoolExhausted(f"pool {self.name!r}: the daemon had no memory free just now")
             needed = -(-(num_blocks - self.allocator.num_free) // self.allocator.blocks_per_page)
             skip = self.lease.in_flight | self.pending_return
             candidates = self.allocator.unmapped_pages(needed + self.num_prefetch_pages, skip)
@@ -138,12 +149,15 @@ class PoolCore:
             del candidates[headroom:]
             try:
                 with self.lock.open_gate():  # candidates stay unmapped: only lock holders map
-                    granted = self.lease.grow(candidates, self.grow_wait_s if wait_s is None else wait_s,
-                                              min_pages=needed)
-            except (NoMemory, OverLimit) as exc:
+                    granted = self.lease.grow(candidates, wait, min_pages=needed)
+            except NoMemory as exc:
+                self.refused_at = time.monotonic()
+                raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
+            except OverLimit as exc:
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
             self.map_grant(granted)
             self.owed_pages = 0  # the daemon granted more: it no longer wants pages back
+            self.refused_at = float("-inf")
 
     def grow_ahead(self) -> bool:
         """Map pages until ``reserve_blocks`` are free, if the daemon has them now (lock held).
@@ -155,7 +169,7 @@ class PoolCore:
         if self.cell.state is not PoolState.ACTIVE or want <= self.allocator.num_free:
             return True
         try:
-            self.grow_for(want, wait_s=0)
+            self.grow_for(want, wait_s=0, probe=True)
         except PoolExhausted:
             return False
         return True

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from kvdaemon.client import KVClient, KVSpec
+from kvdaemon.client import KVClient, KVSpec, PoolExhausted
 from kvdaemon.errors import BadRequest
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
@@ -77,3 +78,31 @@ def test_a_bad_reserve_is_refused(kvd: RunningDaemon, count: object) -> None:
     with pytest.raises(BadRequest):
         pool.keep_free(count)  # type: ignore[arg-type]
     pool.close()
+
+
+def test_a_full_daemon_is_not_asked_again_at_once_while_the_agent_probes(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    hog = client.register("hog", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    held = hog.alloc(7 * BLOCKS_PER_PAGE)  # one logical page left
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
+    pool.keep_free(2 * BLOCKS_PER_PAGE)  # an engine's reserve: more than the daemon has
+    lease, asked = pool.lease, []
+    grow = lease.grow
+
+    def counted(*args: object, **kwargs: object) -> object:
+        if threading.current_thread() is threading.main_thread():  # the engine's, not the agent's
+            asked.append(args)
+        return grow(*args, **kwargs)
+
+    lease.grow = counted  # type: ignore[method-assign]
+    with pytest.raises(PoolExhausted):
+        pool.alloc(3 * BLOCKS_PER_PAGE)
+    before = len(asked)
+    with pytest.raises(PoolExhausted, match="just now"):
+        pool.alloc(3 * BLOCKS_PER_PAGE)
+    assert len(asked) == before, "the engine asked a full daemon again at once"
+    hog.free(held)  # memory comes back: the agent's probe maps the reserve
+    wait_until(lambda: pool.num_free_blocks >= 2 * BLOCKS_PER_PAGE, 10, "the agent never probed again")
+    assert len(pool.alloc(2 * BLOCKS_PER_PAGE)) == 2 * BLOCKS_PER_PAGE
+    pool.close()
+    hog.close()
