@@ -15,6 +15,13 @@ the daemon:
    grow still short at its ``wait_s`` (the client's, at most ``wait_s`` here)
    is answered ``NO_MEMORY``.
 
+Ahead of need (``ask_ahead``, each tick): while fewer than ``LOW_WATER`` of
+the pages are free and no grow is parked, the daemon asks the tenants holding
+the most above their ``min_bytes`` (per unit of weight) for what is missing, at
+most once per ``ASK_AHEAD_S``. A pool gives spare pages and cache-only pages,
+never the reserve its engine's next step needs, so a burst starting later finds
+free pages instead of waiting for other tenants' caches to shrink.
+
 A grow with ``wait_s == 0`` is never parked: the victims are asked (step 1) so
 that pages come back for a later grow, and the grow fails at once with
 ``NO_MEMORY``. A grow that no reclaim could serve (the others hold nothing
@@ -41,6 +48,8 @@ from kvdaemon.errors import KVDaemonError, NoMemory, UnknownTenant
 from kvdaemon.wire.messages import ReclaimNotice
 
 log = logging.getLogger("kvdaemon.reclaim")
+LOW_WATER = 0.1  # the fraction of the pages the daemon keeps free by asking idle memory back
+ASK_AHEAD_S = 0.25  # at most one such ask per this interval
 
 
 @dataclass
@@ -74,6 +83,8 @@ class Reclaimer:
         self.parked: list[ParkedGrow] = []
         self.num_reclaim_requests = 0
         self.num_victims_slept = 0
+        self.num_asks_ahead = 0
+        self._next_ask_ahead = float("-inf")
 
     def park(
         self, tenant: Tenant, candidates: list[int], min_pages: int, waiter: PendingReply,
@@ -108,7 +119,18 @@ class Reclaimer:
             self.num_reclaim_requests += 1
             remaining -= num_logical * victim.spec.num_segments
 
-    def _victims(self, requester: Tenant) -> list[tuple[Tenant, int]]:
+    def ask_ahead(self, now: float) -> None:
+        """Keep ``LOW_WATER`` of the pages free: ask the largest holders for what is missing."""
+        short = int(self.pages.num_pages * LOW_WATER) - self.pages.num_free
+        if short <= 0 or self.parked or now < self._next_ask_ahead:
+            return
+        self._next_ask_ahead = now + ASK_AHEAD_S
+        victims = self._victims(None)
+        if victims:
+            self._ask(victims, short, stop_when_covered=True)
+            self.num_asks_ahead += 1
+
+    def _victims(self, requester: Tenant | None) -> list[tuple[Tenant, int]]:
         """Other active tenants with pages above ``min_bytes``: (tenant, pages above), best first."""
         found = [
             (t, t.reclaimable_pages) for t in self.tenants

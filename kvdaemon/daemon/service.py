@@ -310,6 +310,7 @@ class Service:
         self.sleeper.expire(now)
         self.pages.trim(now)
         self.reclaimer.retry(now)
+        self.reclaimer.ask_ahead(now)
         if self.config.idle_sleep_s is not None:
             self.sleeper.sleep_idle(now, self.config.idle_sleep_s, self.config.idle_mode)
 
