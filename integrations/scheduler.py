@@ -141,8 +141,9 @@ class Scheduler:
     def blocks_needed_next(self) -> int:
         """Blocks the next step will likely take: each running request's next tokens (a
         decode, or the rest of a prefill within the budget), then the prompts of the
-        waiting requests the budget left would admit (cache hits not counted). O(requests
-        the budget covers)."""
+        waiting requests the budget left would admit (cache hits not counted); while any
+        request is unfinished, at least a full budget's worth (requests arriving before
+        the next step). O(requests the budget covers)."""
         size, budget, need = self.manager.block_size, self.max_num_batched_tokens, 0
         for request in self.running:
             if budget <= 0:
@@ -156,6 +157,8 @@ class Scheduler:
             tokens = min(request.num_tokens + 1, budget)
             need += -(-tokens // size)
             budget -= tokens
+        if self.has_work:
+            need = max(need, -(-self.max_num_batched_tokens // size))
         return need
 
     # -- preemption and removal ----------------------------------------------------

@@ -130,3 +130,5 @@ def test_blocks_needed_next_covers_what_the_next_step_takes() -> None:
         sampled = sum(1 for r, n in batch.items if r.num_computed + n == r.num_tokens)
         scheduler.complete(batch, [1] * sampled, 1.0)
     assert scheduler.blocks_needed_next() == 0, "nothing left to run needs nothing"
+    scheduler.add(request(99, 1, 1))
+    assert scheduler.blocks_needed_next() == 24 // 4, "a request waiting: a whole budget ahead"
