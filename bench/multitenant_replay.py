@@ -50,6 +50,8 @@ class ModeRun:
     timeline: dict[str, Any] = field(default_factory=dict)
     makespan_s: float = 0.0
     preemptions: list[int] = field(default_factory=list)
+    computed_tokens: list[int] = field(default_factory=list)  # tokens forwards computed (cache hits not)
+    steps: list[int] = field(default_factory=list)
     peak_used_bytes: list[int] = field(default_factory=list)
 
 
@@ -100,6 +102,8 @@ def replay(mode: str, models: list[Any], trace: list[Arrival], capacity_bytes: i
         run.makespan_s = max(r.finish_s for _, r in run.requests) - t0
         _sample(run, pools, time.perf_counter() - t0)
         run.preemptions = [e.num_preemptions for e in engines]
+        run.computed_tokens = [e.num_computed_tokens for e in engines]
+        run.steps = [e.num_steps for e in engines]
         for engine, pool in zip(engines, pools):
             engine.close()
             pool.close()
@@ -137,6 +141,8 @@ def summarize(run: ModeRun, num_tenants: int) -> dict[str, Any]:
         per_tenant.append(figures)
     overall = stats([r for _, r in run.requests])
     overall["preemptions"] = sum(run.preemptions)
+    overall["computed_tokens"] = sum(run.computed_tokens)
+    overall["steps"] = sum(run.steps)
     overall["makespan_s"] = run.makespan_s
     return {"tenants": per_tenant, "overall": overall}
 

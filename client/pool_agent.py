@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from kvdaemon.client.lease import Lease
@@ -58,8 +59,8 @@ class PoolAgent:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._reported: tuple[int, bool] | None = None  # (used bytes, sleepable) last told
-        self._next_wait_s = HEARTBEAT_S
-        self._retry_s = GROW_RETRY_S
+        self._retry_s = GROW_RETRY_S  # the wait after the next refused grow-ahead
+        self._probe_at = 0.0  # no grow-ahead before this (time.monotonic), however often woken
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"kvpool-{self.core.name}", daemon=True)
@@ -83,7 +84,7 @@ class PoolAgent:
 
     def _loop(self) -> None:
         while not self._stopping:
-            self._wake.wait(self._next_wait_s)
+            self._wake.wait(self._wait_s())
             self._wake.clear()
             with self._inbox_lock:
                 notices, self._inbox = self._inbox, []
@@ -93,6 +94,12 @@ class PoolAgent:
                 self._guarded(self._handle, notice)
             if not self._stopping:
                 self._guarded(self._housekeep)
+
+    def _wait_s(self) -> float:
+        """Until the next heartbeat, or the next grow-ahead try when one is due sooner."""
+        if not self._probe_at:
+            return HEARTBEAT_S
+        return min(HEARTBEAT_S, max(0.0, self._probe_at - time.monotonic()))
 
     def _guarded(self, step: Callable[..., None], *args: object) -> None:
         try:
@@ -148,18 +155,21 @@ class PoolAgent:
         if core.lease.lost.is_set():
             self._detached()
             return
+        probe = time.monotonic() >= self._probe_at
         ahead = True
         with core.lock:
             if core.state is PoolState.ACTIVE:
                 core.adopt_late_grants()
-                ahead = core.grow_ahead()
+                if probe:
+                    ahead = core.grow_ahead()
                 core.return_excess()
             core.retry_returns()
             used = core.allocator.num_live * core.spec.block_bytes * core.spec.num_segments
-        if ahead:
-            self._retry_s, self._next_wait_s = GROW_RETRY_S, HEARTBEAT_S
-        else:
-            self._next_wait_s, self._retry_s = self._retry_s, min(HEARTBEAT_S, 2 * self._retry_s)
+        if probe and ahead:
+            self._retry_s, self._probe_at = GROW_RETRY_S, 0.0
+        elif probe:  # refused: back off, whatever wakes the agent meanwhile (notices, keep_free)
+            self._probe_at = time.monotonic() + self._retry_s
+            self._retry_s = min(HEARTBEAT_S, 2 * self._retry_s)
         report = (used, core.quiesce_hook is not None)
         if report != self._reported:
             core.lease.heartbeat(used_bytes=report[0], sleepable=report[1])

@@ -48,10 +48,10 @@ from kvdaemon.errors import (
 )
 
 log = logging.getLogger("kvdaemon.client.pool")
-REFUSED_S = 0.1
+REFUSED_S = 1.0
 """After the daemon refused a grow for want of memory, a grow that may not wait of a pool
-with a reserve (an engine's: the agent probes for it) is refused here, without a round
-trip, for this long."""
+with a reserve (an engine's: its agent probes for the reserve, backing off) is refused
+here, without a round trip, until a grow succeeds again or this long has passed."""
 
 
 class PoolCore:
@@ -121,8 +121,8 @@ class PoolCore:
 
         ``wait_s``: how long the daemon may wait for other tenants' pages
         (default ``grow_wait_s``). A grow that may not wait, of a pool with a
-        reserve, is refused here within ``REFUSED_S`` of the daemon's last
-        refusal, unless it is the agent's ``probe``. Raises ``DaemonUnreachable`` (``NoReply``
+        reserve, is refused here after a refusal of the daemon until a grow
+        succeeds again (the agent's ``probe``) or ``REFUSED_S`` passed. Raises ``DaemonUnreachable`` (``NoReply``
         when the daemon holds its directory but is slow: the grow stays
         outstanding), ``Asleep``, ``PoolClosed``. Nothing is allocated here.
         """

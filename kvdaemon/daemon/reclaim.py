@@ -25,7 +25,11 @@ free pages instead of waiting for other tenants' caches to shrink.
 A grow with ``wait_s == 0`` is never parked: the victims are asked (step 1) so
 that pages come back for a later grow, and the grow fails at once with
 ``NO_MEMORY``. A grow that no reclaim could serve (the others hold nothing
-above their guarantees) fails at once. Nothing here takes a page from a
+above their guarantees) fails at once. A tenant whose own grow found
+too few pages free in the last ``STARVED_S`` is nobody's victim (it is short
+itself: asking it would only move memory between busy tenants, as under a
+steady overload, where every tenant keeps what it has, like a static split).
+Nothing here takes a page from a
 tenant: tenants give pages back themselves, or sleep. Logical page 0 of a
 tenant is never counted as reclaimable (pools keep it mapped).
 
@@ -50,6 +54,7 @@ from kvdaemon.wire.messages import ReclaimNotice
 log = logging.getLogger("kvdaemon.reclaim")
 LOW_WATER = 0.1  # the fraction of the pages the daemon keeps free by asking idle memory back
 ASK_AHEAD_S = 0.25  # at most one such ask per this interval
+STARVED_S = 1.0  # a tenant refused pages this recently is asked for none
 
 
 @dataclass
@@ -94,8 +99,9 @@ class Reclaimer:
 
         With ``wait_s == 0`` the victims are still asked, but nothing is parked.
         """
+        tenant.starved_at = now
         short = self._short(tenant, min_pages)
-        victims = self._victims(tenant)
+        victims = self._victims(tenant, now)
         if sum(pages for _, pages in victims) < short:
             return False
         self._ask(victims, short, stop_when_covered=True)
@@ -125,17 +131,18 @@ class Reclaimer:
         if short <= 0 or self.parked or now < self._next_ask_ahead:
             return
         self._next_ask_ahead = now + ASK_AHEAD_S
-        victims = self._victims(None)
+        victims = self._victims(None, now)
         if victims:
             self._ask(victims, short, stop_when_covered=True)
             self.num_asks_ahead += 1
 
-    def _victims(self, requester: Tenant | None) -> list[tuple[Tenant, int]]:
-        """Other active tenants with pages above ``min_bytes``: (tenant, pages above), best first."""
+    def _victims(self, requester: Tenant | None, now: float) -> list[tuple[Tenant, int]]:
+        """Other active tenants with pages above ``min_bytes``, not short themselves
+        (``STARVED_S``): (tenant, pages above), best first."""
         found = [
             (t, t.reclaimable_pages) for t in self.tenants
             if t is not requester and t.state is TenantState.ACTIVE and t.leased
-            and t.reclaimable_pages
+            and t.reclaimable_pages and now - t.starved_at >= STARVED_S
         ]  # fmt: skip
         found.sort(key=lambda item: item[1] / item[0].weight, reverse=True)
         return found
@@ -170,7 +177,7 @@ class Reclaimer:
         if tenant is None:
             return
         if parked.stage == 0 and waited >= self.escalate_s:
-            self._ask(self._victims(tenant), self._short(tenant, parked.min_pages), stop_when_covered=False)
+            self._ask(self._victims(tenant, now), self._short(tenant, parked.min_pages), stop_when_covered=False)
             parked.stage = 1
         elif parked.stage == 1 and waited >= 2 * self.escalate_s:
             self._sleep_a_victim(tenant, now)
@@ -180,7 +187,7 @@ class Reclaimer:
         if not self.sleep_victims:
             return False
         candidates = [
-            t for t, _ in self._victims(requester)
+            t for t, _ in self._victims(requester, now)
             if t.min_bytes == 0 and t.pending_sleep is None and t.sleepable
         ]  # fmt: skip
         if not candidates:

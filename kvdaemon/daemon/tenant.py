@@ -129,6 +129,7 @@ class Tenant:
     last_active: float = 0.0
     peak_mapped_bytes: int = 0
     num_refused_grows: int = 0
+    starved_at: float = float("-inf")  # when a grow of it last found too few pages free
     num_sleeps: int = 0
 
     def __post_init__(self) -> None:
