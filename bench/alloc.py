@@ -118,7 +118,7 @@ def vllm_side(num_blocks: int) -> tuple[str, Callable[[int], object], Callable[[
     except ImportError:
         pool = LinkedBlockPool(num_blocks)
         return "blockpool", pool.get_new_blocks, pool.free_blocks
-    real = BlockPool(num_gpu_blocks=num_blocks, enable_caching=False)
+    real = BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=16)
     return "vllm", real.get_new_blocks, real.free_blocks
 
 

@@ -7,11 +7,15 @@ any time at most one tenant is at its peak (like kvcached's ramp-up/ramp-down
 traffic). Arrivals are a non-homogeneous Poisson process drawn by thinning;
 each request has a random prompt (a shared per-tenant system prefix plus
 random tokens) and a random output length. The same seed gives the same trace.
+
+``steady_trace`` is the overload case: every tenant at one constant rate for a
+while, the same request mix.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -66,18 +70,30 @@ class Arrival:
 
 def bursty_trace(shape: TraceShape, seed: int) -> list[Arrival]:
     """Every tenant's arrivals over ``shape.duration_s``, sorted by time."""
+    top = shape.base_rate + shape.peak_rate
+    return _arrivals(shape, seed, top, shape.duration_s, shape.rate)
+
+
+def steady_trace(shape: TraceShape, seed: int, rate: float, duration_s: float) -> list[Arrival]:
+    """Every tenant at ``rate`` requests/s for ``duration_s`` (the shape's request mix), sorted."""
+    return _arrivals(shape, seed, rate, duration_s, lambda _tenant, _t: rate)
+
+
+def _arrivals(
+    shape: TraceShape, seed: int, top: float, duration_s: float, rate: Callable[[int, float], float]
+) -> list[Arrival]:
+    """Poisson arrivals of each tenant at ``rate(tenant, t) <= top``, by thinning."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(3, shape.vocab_size) for _ in range(shape.prefix_tokens)]
                 for _ in range(shape.num_tenants)]
-    top = shape.base_rate + shape.peak_rate
     arrivals = []
     for tenant in range(shape.num_tenants):
         t = 0.0
         while True:
             t += rng.expovariate(top)
-            if t >= shape.duration_s:
+            if t >= duration_s:
                 break
-            if rng.random() * top > shape.rate(tenant, t):
+            if rng.random() * top > rate(tenant, t):
                 continue  # thinned out
             num_prompt = rng.randint(*shape.prompt_tokens)
             prompt = prefixes[tenant] + [rng.randrange(3, shape.vocab_size) for _ in range(num_prompt)]

@@ -17,11 +17,15 @@ Invariants (``check`` asserts them):
 Allocation takes blocks from the fullest mapped page that has free blocks
 (spare pages last), so free space gathers in whole pages that can be given
 back. Cost: ``alloc(n)`` is O(n) list slicing plus, when the current page runs
-dry, a scan of the pages with free blocks; ``free(ids)`` is O(len(ids)).
-No Python object is created per block.
+dry, a scan of the pages with free blocks; ``free(ids)`` is O(len(ids)) in C
+(type check, sort, set operations) plus O(pages touched) Python work. The live
+blocks are a set of ids, so handing out and validating a batch never loops in Python.
 """
 
 from __future__ import annotations
+
+from array import array
+from bisect import bisect_left
 
 from kvdaemon.errors import BadRequest, PoolExhausted
 
@@ -44,14 +48,13 @@ class BlockAllocator:
         self.aligned = page_bytes % block_bytes == 0
         self.blocks_per_page = max(1, page_bytes // block_bytes)
         self._mapped = bytearray(num_pages)
-        self._live = bytearray(self.num_blocks)
+        self._live: set[int] = set()  # ids handed out and not yet freed
         self._use = [0] * num_pages
         self._free: list[list[int]] = [[] for _ in range(num_pages)]
         self._with_free: set[int] = set()  # mapped pages whose free list is not empty
         self.spare: set[int] = set()  # mapped pages with use == 0 (read-only outside)
         self._cursor = 0  # the page allocation continues from
         self.num_free = 0
-        self.num_live = 0
 
     # -- geometry --------------------------------------------------------------
 
@@ -106,7 +109,7 @@ class BlockAllocator:
         self._push(page, list(range(end - 1, first - 1, -1)))
         if not self.aligned and page > 0 and self._mapped[page - 1]:
             prev = self._straddler(page - 1)
-            if prev >= 0 and not self._live[prev]:
+            if prev >= 0 and prev not in self._live:
                 self._push(page - 1, [prev])
 
     def remove_page(self, page: int) -> None:
@@ -141,32 +144,46 @@ class BlockAllocator:
 
     def _pick(self) -> int:
         """The fullest page with free blocks; spare pages only when nothing else has any."""
+        if self.aligned:  # a spare page has every block free: the fewest free is the fullest
+            pages = list(self._with_free)
+            sizes = list(map(len, map(self._free.__getitem__, pages)))
+            return pages[sizes.index(min(sizes))]
         use, free = self._use, self._free
         return min(self._with_free, key=lambda p: (use[p] == 0, len(free[p])))
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
 
     def alloc(self, num_blocks: int) -> list[int]:
         """Hand out ``num_blocks`` free blocks; ``PoolExhausted`` (nothing taken) if too few."""
         page = self._cursor
         free = self._free[page]
-        if 0 < num_blocks < len(free) and self.aligned:
+        if type(num_blocks) is int and 0 < num_blocks < len(free) and self.aligned:
             # Fast path: the current page has more than enough; it stays partly free.
-            out = self._take(page, free, num_blocks)
+            if num_blocks == 1:
+                block = free.pop()
+                self._live.add(block)
+                chunk = [block]
+            else:
+                chunk = free[-num_blocks:]
+                del free[-num_blocks:]
+                chunk.reverse()  # ascending ids: neighbours in a block table sit side by side
+                self._live.update(chunk)
+            use = self._use
+            if not use[page]:
+                self.spare.discard(page)
+            use[page] += num_blocks
             self.num_free -= num_blocks
-            self.num_live += num_blocks
-            return out
+            return chunk
         return self._alloc_across_pages(num_blocks)
 
     def _take(self, page: int, free: list[int], num_blocks: int) -> list[int]:
         """Pop ``num_blocks`` ids off ``page``'s free list, mark them live, count their use."""
-        if num_blocks == 1:
-            chunk = [free.pop()]
-        else:
-            chunk = free[-num_blocks:]
-            del free[-num_blocks:]
-            chunk.reverse()  # ascending ids: neighbours in a block table sit side by side
-        live = self._live
-        for block in chunk:
-            live[block] = 1
+        chunk = free[-num_blocks:]
+        del free[-num_blocks:]
+        chunk.reverse()
+        self._live.update(chunk)
         if not self._use[page]:
             self.spare.discard(page)
         self._use[page] += num_blocks
@@ -194,7 +211,6 @@ class BlockAllocator:
             out += chunk
             remaining -= take
         self.num_free -= num_blocks
-        self.num_live += num_blocks
         return out
 
     def _mark_straddler(self, page: int, chunk: list[int]) -> None:
@@ -205,63 +221,72 @@ class BlockAllocator:
             self._use[page + 1] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Return blocks; raises ``BadRequest`` (nothing freed) on an unknown, free or repeated id.
-
-        Validation marks each id (live 1 -> 2) so a repeat is caught in the same
-        pass; a refused call puts every mark back.
-        """
-        live = self._live
-        num_marked = 0
-        try:
-            for block in block_ids:
-                if block < 0 or live[block] != 1:
-                    raise ValueError(block)
-                live[block] = 2
-                num_marked += 1
-        except (ValueError, IndexError, TypeError) as exc:
-            for block in block_ids[:num_marked]:
-                live[block] = 1
-            raise BadRequest(
-                f"block {block_ids[num_marked]!r} is not allocated "
-                "(double free, repeated or unknown id)"
-            ) from exc
-        if self.aligned and len(block_ids) > 1 and (
-            min(block_ids) // self.blocks_per_page == max(block_ids) // self.blocks_per_page
-        ):
-            self._free_within_page(block_ids)  # the common case: one page, one update
-        elif self.aligned:
-            use, free, bpp = self._use, self._free, self.blocks_per_page
-            with_free, spare = self._with_free, self.spare
-            for block in block_ids:
-                live[block] = 0
-                page = block // bpp
-                free[page].append(block)
-                with_free.add(page)
-                left = use[page] - 1
+        """Return blocks; raises ``BadRequest`` (nothing freed) on an unknown, free or repeated id."""
+        if len(block_ids) == 1 and self.aligned:
+            block = block_ids[0]
+            if type(block) is not int or block not in self._live:
+                self._refuse(block_ids)
+            self._live.remove(block)
+            page = block // self.blocks_per_page
+            self._free[page].append(block)
+            self._with_free.add(page)
+            left = self._use[page] - 1
+            self._use[page] = left
+            if not left:
+                self.spare.add(page)
+            self.num_free += 1
+            return
+        ids = self._validated(block_ids)
+        if not self.aligned:
+            self._free_straddling(ids)
+        else:
+            bpp, free, use, spare = self.blocks_per_page, self._free, self._use, self.spare
+            start, end = 0, len(ids)
+            while start < end:  # ids are sorted: one pass per page they lie on
+                page = ids[start] // bpp
+                stop = end if ids[-1] < (page + 1) * bpp else bisect_left(ids, (page + 1) * bpp, start)
+                free[page] += ids[start:stop] if start or stop < end else ids
+                self._with_free.add(page)
+                left = use[page] - (stop - start)
                 use[page] = left
                 if not left:
                     spare.add(page)
-        else:
-            for block in block_ids:
-                live[block] = 0
-                page = self.page_of(block)
-                self._give_back(page, block)
-                if (block + 1) * self.block_bytes > (page + 1) * self.page_bytes:
-                    self._release_use(page + 1)
-        self.num_free += len(block_ids)
-        self.num_live -= len(block_ids)
+                start = stop
+        self.num_free += len(ids)
 
-    def _free_within_page(self, block_ids: list[int]) -> None:
-        """Free validated ``block_ids`` that all sit on one page (aligned geometry)."""
+    def _validated(self, block_ids: list[int]) -> list[int]:
+        """``block_ids`` sorted, taken off the live set; ``BadRequest`` (nothing changed) if one is
+        not an allocated id or repeats."""
+        try:
+            ids = sorted(array("q", block_ids))  # ints only (a TypeError otherwise), in C
+        except (TypeError, OverflowError):
+            self._refuse(block_ids)
         live = self._live
+        if not live.issuperset(ids):
+            self._refuse(block_ids)
+        num_live = len(live)
+        live.difference_update(ids)
+        if num_live - len(live) != len(ids):  # a repeated id
+            live.update(ids)
+            self._refuse(block_ids)
+        return ids
+
+    def _refuse(self, block_ids: list[int]) -> None:
+        """Raise ``BadRequest`` naming the first id that is not allocated or repeats."""
+        seen: set[int] = set()
         for block in block_ids:
-            live[block] = 0
-        page = block_ids[0] // self.blocks_per_page
-        self._free[page].extend(block_ids)
-        self._with_free.add(page)
-        self._use[page] -= len(block_ids)
-        if not self._use[page]:
-            self.spare.add(page)
+            if type(block) is not int or block not in self._live or block in seen:
+                raise BadRequest(f"block {block!r} is not allocated (double free, repeated or unknown id)")
+            seen.add(block)
+        raise BadRequest(f"blocks {block_ids!r} are not all allocated")
+
+    def _free_straddling(self, ids: list[int]) -> None:
+        """Free taken-off-live ``ids`` where a block may run into the next page."""
+        for block in ids:
+            page = self.page_of(block)
+            self._give_back(page, block)
+            if (block + 1) * self.block_bytes > (page + 1) * self.page_bytes:
+                self._release_use(page + 1)
 
     def _give_back(self, page: int, block: int) -> None:
         self._free[page].append(block)
@@ -274,7 +299,7 @@ class BlockAllocator:
             self.spare.add(page)
 
     def is_live(self, block_id: int) -> bool:
-        return bool(self._live[block_id])
+        return block_id in self._live
 
     # -- checking --------------------------------------------------------------
 
@@ -287,7 +312,7 @@ class BlockAllocator:
             first = self.page_of(block)
             last = ((block + 1) * self.block_bytes - 1) // self.page_bytes
             usable = all(self._mapped[p] for p in range(first, last + 1))
-            if self._live[block]:
+            if block in self._live:
                 assert usable, f"live block {block} touches an unmapped page"
                 assert block not in free_blocks
                 for p in range(first, last + 1):
@@ -296,4 +321,5 @@ class BlockAllocator:
                 assert (block in free_blocks) == usable, f"free block {block} misfiled"
         assert touching == self._use, "use counts drifted"
         assert self.spare == {p for p in range(self.num_pages) if self._mapped[p] and not self._use[p]}
-        assert self.num_free == len(free_blocks) and self.num_live == sum(self._live)
+        assert self.num_free == len(free_blocks)
+        assert all(type(b) is int and 0 <= b < self.num_blocks for b in self._live), "a live id is not a block"

@@ -56,3 +56,8 @@ class EnginePool(BlockSource, Protocol):
     def note_activity(self) -> None:
         """The engine ran a step over the pool: it is busy, whatever its blocks do."""
         ...
+
+    def keep_free(self, num_blocks: int) -> None:
+        """A hint: the engine's next steps will take about ``num_blocks`` blocks (a pool may
+        map them ahead and keep them from others; a fixed pool ignores it)."""
+        ...

@@ -25,8 +25,8 @@ under the views only while blocks need them:
   for the threads, locks and hooks.
 
 The pool's state is one ``PoolState`` (``pool.state``). After ``close()`` every
-method raises ``PoolClosed``. Cost: ``alloc``/``free`` are O(blocks) with one
-uncontended lock and no daemon round trip unless pages must be mapped.
+method raises ``PoolClosed``. Cost: ``alloc``/``free`` are O(blocks); while blocks are free and mapped they
+take no lock (only the block gate, see ``pool_lock``) and no daemon round trip.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class KVPool:
         self.block_size = spec.block_size
         self.blocks_per_page = self.core.allocator.blocks_per_page
         self.agent = PoolAgent(self.core, relink)
+        self._gate = self.core.lock.gate  # the block gate's token slot (``PoolLock``)
         self._on_close = on_close
         self._caches: list[torch.Tensor] = []
 
@@ -266,8 +267,24 @@ class KVPool:
         """``num_blocks`` block ids over mapped memory; ``PoolExhausted`` with nothing taken.
 
         Also raises ``Asleep`` (asleep without ``auto_wake``), ``DaemonUnreachable``
-        (the daemon is gone, or ``NoReply``: slow), ``PoolClosed``.
+        (the daemon is gone, or ``NoReply``: slow), ``PoolClosed``. When the
+        blocks are free and mapped it takes only the block gate (``PoolLock``).
         """
+        gate = self._gate
+        try:
+            gate.pop()  # the block gate's token (``PoolLock.try_enter``, inlined)
+        except IndexError:
+            return self._alloc_locked(num_blocks)
+        try:
+            allocator = self.core.allocator
+            if type(num_blocks) is int and 0 <= num_blocks <= allocator.num_free:
+                return allocator.alloc(num_blocks)
+        finally:
+            gate.append(True)
+        return self._alloc_locked(num_blocks)
+
+    def _alloc_locked(self, num_blocks: int) -> list[int]:
+        """The slow path: the lock held, growing (or waking) first when too few blocks are free."""
         if type(num_blocks) is not int or num_blocks < 0:
             raise BadRequest(f"cannot allocate {num_blocks!r} blocks")
         core = self.core
@@ -277,6 +294,21 @@ class KVPool:
                     return self._alloc_after_wake(num_blocks)
                 core.grow_for(num_blocks)
             return core.allocator.alloc(num_blocks)
+
+    def keep_free(self, num_blocks: int) -> None:
+        """Keep about ``num_blocks`` blocks free and mapped for the engine's next steps.
+
+        The agent maps pages ahead in the background when fewer are free (so
+        ``alloc`` finds them without a round trip), and returns no spare page,
+        also on a reclaim, that would leave fewer free. A lowered limit still
+        binds. Never waits; ``0`` (the default) keeps nothing back.
+        """
+        if type(num_blocks) is not int or num_blocks < 0:
+            raise BadRequest(f"cannot keep {num_blocks!r} blocks free")
+        core = self.core
+        core.reserve_blocks = num_blocks
+        if core.allocator.num_free < num_blocks:
+            self.agent.nudge()
 
     def _alloc_after_wake(self, num_blocks: int) -> list[int]:
         """Asleep with ``auto_wake``: wake (without the lock: the agent maps under it), then allocate."""
@@ -294,21 +326,36 @@ class KVPool:
         """Return blocks. Local: never waits on the daemon, never fails for valid ids.
 
         Raises ``TypeError`` for anything but a list of ints, ``BadRequest``
-        (nothing freed) for an id that is not allocated, ``PoolClosed`` after close.
+        (nothing freed) for an id that is not allocated, ``PoolClosed`` after
+        close. Takes only the block gate unless a lock holder has it.
         """
-        if not isinstance(block_ids, (list, tuple)):
+        if type(block_ids) is not list and not isinstance(block_ids, tuple):
             raise TypeError(f"free() takes a list of block ids, got {type(block_ids).__name__}")
         core = self.core
-        with core.lock:
-            if core.state.ended:
-                raise PoolClosed(f"pool {self.name!r} is {core.state.value}")
-            if core.sleeping_allocator is not None:  # warm sleep: the blocks live on
-                core.sleeping_allocator.free(block_ids)
-                return
-            core.allocator.free(block_ids)
-            owed = core.owed_pages > 0 and core.has_excess()
-        if owed:
+        gate = self._gate
+        try:
+            gate.pop()  # the block gate's token (``PoolLock.try_enter``, inlined)
+        except IndexError:
+            with core.lock:
+                self._free_held(block_ids)
+        else:
+            try:
+                if core.cell.ended or core.sleeping_allocator is not None:
+                    self._free_held(block_ids)
+                else:
+                    core.allocator.free(block_ids)
+            finally:
+                gate.append(True)
+        if core.owed_pages and core.has_excess():
             self.agent.nudge()  # the daemon is waiting for these: now, not at the next tick
+
+    def _free_held(self, block_ids: list[int] | tuple[int, ...]) -> None:
+        """Free into the allocator that holds the blocks (the block gate held)."""
+        core = self.core
+        if core.cell.ended:
+            raise PoolClosed(f"pool {self.name!r} is {core.state.value}")
+        sleeping = core.sleeping_allocator  # warm sleep: the blocks live on
+        (core.allocator if sleeping is None else sleeping).free(block_ids)
 
     def wake(self) -> None:
         """Wake this pool (its own lease asks the daemon); returns once its pages are mapped.

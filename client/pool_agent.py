@@ -11,10 +11,12 @@ pool's lock only as long as each answer takes:
 - ``revoked``: every page is unmapped here and the pool ends (``REVOKED``);
 - ``shutdown``: logged; the lease's end follows.
 
-Then, on every wake-up (a notice, ``nudge()`` from ``free``, or each
-``HEARTBEAT_S``): returns excess spare pages, retries unconfirmed returns,
-adopts late grants, and tells the daemon ``used_bytes`` and whether the pool can
-be quiesced when they changed. When the daemon is gone it keeps the pool
+Then, on every wake-up (a notice, ``nudge()`` from ``free`` or ``keep_free``,
+or each ``HEARTBEAT_S``): adopts late grants, grows ahead to the engine's
+reserve (``PoolCore.grow_ahead``; refused while the daemon has nothing free,
+then tried again after ``GROW_RETRY_S``, by when other tenants were asked for
+pages, and each time twice as late up to ``HEARTBEAT_S``), returns excess spare pages, retries unconfirmed returns, and tells the
+daemon ``used_bytes`` and whether the pool can be quiesced when they changed. When the daemon is gone it keeps the pool
 serving from its mappings (``DETACHED``) and re-registers with the next daemon
 (``pool_reconnect``).
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from kvdaemon.client.lease import Lease
@@ -41,6 +44,7 @@ from kvdaemon.wire.messages import (
 
 log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
+GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon, then twice as late each time
 
 
 class PoolAgent:
@@ -55,6 +59,8 @@ class PoolAgent:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._reported: tuple[int, bool] | None = None  # (used bytes, sleepable) last told
+        self._retry_s = GROW_RETRY_S  # the wait after the next refused grow-ahead
+        self._probe_at = 0.0  # no grow-ahead before this (time.monotonic), however often woken
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"kvpool-{self.core.name}", daemon=True)
@@ -78,7 +84,7 @@ class PoolAgent:
 
     def _loop(self) -> None:
         while not self._stopping:
-            self._wake.wait(HEARTBEAT_S)
+            self._wake.wait(self._wait_s())
             self._wake.clear()
             with self._inbox_lock:
                 notices, self._inbox = self._inbox, []
@@ -88,6 +94,12 @@ class PoolAgent:
                 self._guarded(self._handle, notice)
             if not self._stopping:
                 self._guarded(self._housekeep)
+
+    def _wait_s(self) -> float:
+        """Until the next heartbeat, or the next grow-ahead try when one is due sooner."""
+        if not self._probe_at:
+            return HEARTBEAT_S
+        return min(HEARTBEAT_S, max(0.0, self._probe_at - time.monotonic()))
 
     def _guarded(self, step: Callable[..., None], *args: object) -> None:
         try:
@@ -143,12 +155,21 @@ class PoolAgent:
         if core.lease.lost.is_set():
             self._detached()
             return
+        probe = time.monotonic() >= self._probe_at
+        ahead = True
         with core.lock:
             if core.state is PoolState.ACTIVE:
                 core.adopt_late_grants()
+                if probe:
+                    ahead = core.grow_ahead()
                 core.return_excess()
             core.retry_returns()
             used = core.allocator.num_live * core.spec.block_bytes * core.spec.num_segments
+        if probe and ahead:
+            self._retry_s, self._probe_at = GROW_RETRY_S, 0.0
+        elif probe:  # refused: back off, whatever wakes the agent meanwhile (notices, keep_free)
+            self._probe_at = time.monotonic() + self._retry_s
+            self._retry_s = min(HEARTBEAT_S, 2 * self._retry_s)
         report = (used, core.quiesce_hook is not None)
         active, core.active = core.active, False
         if report != self._reported or active:

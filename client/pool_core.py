@@ -1,6 +1,6 @@
 """``PoolCore``: what a pool's engine thread and its agent thread share, and its page moves.
 
-The core holds the pool's one lock, its state (``PoolStateCell``), its mapped
+The core holds the pool's lock (``PoolLock``: the lock and its block gate), its state (``PoolStateCell``), its mapped
 pages (``SegmentMap``), its blocks (``BlockAllocator``; a warm sleeper's set
 aside), its lease, what it knows of its limit, and the engine's hooks. Every
 page move goes through here, under the lock:
@@ -9,14 +9,24 @@ page move goes through here, under the lock:
   is asked for at least the pages needed and at most that plus prefetch, never
   past the limit the pool knows (refused locally, no round trip). A grow whose
   reply came late is adopted here (mapped as spare pages) before asking again.
+- ``grow_ahead``: the agent maps pages in the background until
+  ``reserve_blocks`` blocks are free (the engine's ``keep_free``: what its
+  next steps will take), so the engine's allocations find them mapped;
 - ``return_excess``: spare pages past ``num_spare_pages``, and pages owed after
-  a lowered limit, are unmapped and given back (the agent runs it, not the
-  engine). Logical page 0 is the first page a pool maps and is never given
-  back while any other page is mapped, so every tensor's base address is
-  mapped whenever the pool holds a block (GPU kernel launchers check it); it
-  goes last, when a limit under one logical page asks for it.
+  a lowered limit or a reclaim, are unmapped and given back (the agent runs
+  it, not the engine), never so many that fewer than ``reserve_blocks`` stay
+  free (a reclaim never takes what the engine's next steps need; a limit
+  binds whatever the reserve). Logical page 0 is the first page a pool maps
+  and is never given back while any other page is mapped, so every tensor's
+  base address is mapped whenever the pool holds a block (GPU kernel
+  launchers check it); it goes last, when a limit under one logical page
+  asks for it.
 - ``drop_all_pages``: unmap everything without telling the daemon (revoked,
   closing).
+
+Grow and return round trips run with the block gate open: the engine's
+``alloc``/``free`` go on meanwhile (the pages returned are out of the
+allocator and unmapped before it opens; granted pages join it after).
 
 Cost: one daemon round trip per grow or return; O(pages) local work.
 """
@@ -25,12 +35,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from kvdaemon.client.allocator import BlockAllocator
 from kvdaemon.client.lease import Grant, Lease
+from kvdaemon.client.pool_lock import PoolLock
 from kvdaemon.client.pool_state import PoolState, PoolStateCell
 from kvdaemon.client.segments import SegmentMap
 from kvdaemon.client.spec import KVSpec
@@ -40,6 +51,10 @@ from kvdaemon.errors import (
 )
 
 log = logging.getLogger("kvdaemon.client.pool")
+REFUSED_S = 1.0
+"""After the daemon refused a grow for want of memory, a grow that may not wait of a pool
+with a reserve (an engine's: its agent probes for the reserve, backing off) is refused
+here, without a round trip, until a grow succeeds again or this long has passed."""
 
 
 class PoolCore:
@@ -57,7 +72,7 @@ class PoolCore:
         self.num_virtual_pages = num_virtual_pages
         self.num_spare_pages = num_spare_pages
         self.num_prefetch_pages = min(num_prefetch_pages, num_spare_pages)
-        self.lock = threading.Lock()
+        self.lock = PoolLock()
         self.cell = PoolStateCell(self.lock)
         self.segments = SegmentMap(self.backend, spec.num_segments, num_virtual_pages, self.page_bytes)
         self.allocator = self.new_allocator()
@@ -65,6 +80,8 @@ class PoolCore:
         self.max_bytes: int | None = lease.limit.get("max_bytes")
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
         self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed
+        self.reserve_blocks = 0  # kept free and mapped for the engine's next steps (``keep_free``)
+        self.refused_at = float("-inf")  # when the daemon last had no memory for a grow
         self.pending_return: set[int] = set()  # unmapped here, shrink not yet confirmed
         self.num_block_losses = 0  # times every block was dropped (cold sleep, empty restart)
         self.active = False  # the engine stepped since the last heartbeat (``note_activity``)
@@ -109,16 +126,22 @@ class PoolCore:
 
     # -- growing (lock held) -----------------------------------------------------
 
-    def grow_for(self, num_blocks: int) -> None:
+    def grow_for(self, num_blocks: int, wait_s: float | None = None, probe: bool = False) -> None:
         """Map pages until ``num_blocks`` blocks are free; ``PoolExhausted`` when it cannot.
 
-        Raises ``DaemonUnreachable`` (``NoReply`` when the daemon holds its
-        directory but is slow: the grow stays outstanding), ``Asleep``,
-        ``PoolClosed``. Nothing is allocated here.
+        ``wait_s``: how long the daemon may wait for other tenants' pages
+        (default ``grow_wait_s``). A grow that may not wait, of a pool with a
+        reserve, is refused here after a refusal of the daemon until a grow
+        succeeds again (the agent's ``probe``) or ``REFUSED_S`` passed. Raises ``DaemonUnreachable`` (``NoReply``
+        when the daemon holds its directory but is slow: the grow stays
+        outstanding), ``Asleep``, ``PoolClosed``. Nothing is allocated here.
         """
         self.adopt_late_grants()
+        wait = self.grow_wait_s if wait_s is None else wait_s
         while num_blocks > self.allocator.num_free:
             self.check_can_grow()
+            if wait == 0 and not probe and self.reserve_blocks and time.monotonic() - self.refused_at < REFUSED_S:
+                raise PoolExhausted(f"pool {self.name!r}: the daemon had no memory free just now")
             needed = -(-(num_blocks - self.allocator.num_free) // self.allocator.blocks_per_page)
             skip = self.lease.in_flight | self.pending_return
             candidates = self.allocator.unmapped_pages(needed + self.num_prefetch_pages, skip)
@@ -135,11 +158,43 @@ class PoolCore:
                 )
             del candidates[headroom:]
             try:
-                granted = self.lease.grow(candidates, self.grow_wait_s, min_pages=needed)
-            except (NoMemory, OverLimit) as exc:
+                with self.lock.open_gate():  # candidates stay unmapped: only lock holders map
+                    granted = self.lease.grow(candidates, wait, min_pages=needed)
+            except NoMemory as exc:
+                self.refused_at = time.monotonic()
+                raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
+            except OverLimit as exc:
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
             self.map_grant(granted)
             self.owed_pages = 0  # the daemon granted more: it no longer wants pages back
+            self.refused_at = float("-inf")
+
+    def grow_ahead(self) -> bool:
+        """Map pages until ``reserve_blocks`` are free, if the daemon has them now (lock held).
+
+        False when it could not (no memory free: the daemon has asked other
+        tenants for pages, so a later try may succeed).
+        """
+        want = min(self.reserve_blocks, self.allocator.num_blocks)
+        if self.cell.state is not PoolState.ACTIVE or want <= self.allocator.num_free:
+            return True
+        try:
+            self.grow_for(want, wait_s=0, probe=True)
+        except PoolExhausted:
+            return False
+        return True
+
+    def num_returnable(self, spare: list[int]) -> int:
+        """How many of ``spare`` (spare pages) may go without leaving fewer than
+        ``reserve_blocks`` free blocks."""
+        extra = self.allocator.num_free - self.reserve_blocks
+        return max(0, min(len(spare), extra // self.allocator.blocks_per_page))
+
+    def pages_over_limit(self) -> int:
+        """Logical pages mapped past the known limit (0 when within it or unknown)."""
+        if self.max_bytes is None:
+            return 0
+        return max(0, -(-(self.mapped_bytes - self.max_bytes) // self.logical_page_bytes))
 
     def headroom_pages(self) -> int:
         """Logical pages the known limit still allows (a large number when unknown)."""
@@ -190,7 +245,8 @@ class PoolCore:
         if self.owed_pages and pinned and list(self.segments.pages) == [0]:
             spare = [0]  # a limit under one logical page: even the pinned page goes, being the last
         owed = min(len(spare), self.owed_pages)
-        num = max(len(spare) - max(0, self.num_spare_pages - pinned), owed)
+        num = min(max(len(spare) - max(0, self.num_spare_pages - pinned), owed), self.num_returnable(spare))
+        num = max(num, min(len(spare), self.pages_over_limit()))  # a limit binds whatever the reserve
         if num <= 0:
             return 0
         self.owed_pages -= min(owed, num)
@@ -202,7 +258,8 @@ class PoolCore:
         with self.lock:
             if self.cell.state is not PoolState.ACTIVE:
                 return 0
-            spare = [lp for lp in self.allocator.spare_pages() if lp != 0][:num_pages]
+            spare = [lp for lp in self.allocator.spare_pages() if lp != 0]
+            spare = spare[: min(num_pages, self.num_returnable(spare))]
             if spare:
                 self._return(spare)
             return len(spare)
@@ -225,7 +282,8 @@ class PoolCore:
             return
         lps = sorted(self.pending_return)
         try:
-            self.lease.shrink(lps)
+            with self.lock.open_gate():  # the pages are out of the allocator and unmapped
+                self.lease.shrink(lps)
         except BadRequest:
             log.info("pool %s: pages %s were already given back", self.name, lps[:8])
         self.pending_return.difference_update(lps)

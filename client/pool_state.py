@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Callable
+from typing import Any
 
 
 class PoolState(enum.Enum):
@@ -60,14 +61,16 @@ TRANSITIONS: dict[PoolState, frozenset[PoolState]] = {
 class PoolStateCell:
     """A pool's state and a condition to wait for it (see the module docstring)."""
 
-    def __init__(self, lock: threading.Lock) -> None:
+    def __init__(self, lock: Any) -> None:
         self.state = PoolState.ACTIVE
+        self.ended = False  # ``state.ended``, as a plain attribute for the engine's fast path
         self._changed = threading.Condition(lock)
 
     def move(self, new: PoolState) -> None:
         """Change to ``new``; the pool's lock must be held."""
         assert new in TRANSITIONS[self.state], f"pool state {self.state.value} -> {new.value}"
         self.state = new
+        self.ended = new.ended
         self._changed.notify_all()
 
     def wait_for(self, accept: Callable[[PoolState], bool], timeout_s: float) -> bool:

@@ -5,12 +5,14 @@ devices; this module checks the index *values* (it reads them on the host
 anyway): ragged offsets, lengths against the block table, block ids and slots
 against the cache.
 
-``paged_attention`` reads ``query_start_loc`` and ``seq_lens`` on the host once,
-then gathers K/V blocks with ``index_select`` and runs
-``scaled_dot_product_attention`` over them (fp32 accumulation for bf16/fp16, as
-SDPA's kernels do):
+``paged_attention`` reads ``query_start_loc`` and ``seq_lens`` on the host once.
+Decode sequences (one new token) on the CPU go to the fused kernel of
+:mod:`kvdaemon.client.cpu_decode` where it can take them (it reads each block in
+place: K/V move once); everything else gathers K/V blocks with
+``index_select`` and runs ``scaled_dot_product_attention`` over them (fp32
+accumulation for bf16/fp16, as SDPA's kernels do):
 
-- decode sequences (one new token), sorted by length, in chunks of about
+- decode sequences the kernel cannot take, sorted by length, in chunks of about
   ``DECODE_CHUNK_BYTES`` of K+V: one gather and one SDPA per chunk, the query
   heads of a KV head folded into the query rows of one SDPA head (no K/V
   repeat), a key-padding mask only where lengths differ;
@@ -27,11 +29,11 @@ Two options of transformers' attention interface are honoured, per call:
   transformers' eager attention does (Gemma2). SDPA cannot do this, so these
   calls compute scores, softmax and output explicitly, in fp32.
 
-Cost: K/V move twice (the gather's copy, then SDPA reading it), against once
-for SDPA over contiguous K/V. On CPU decode is memory-bound and the copy costs
-about as much as SDPA itself, so decode takes 1.9-2.5x SDPA's time
-(``bench/attention.py``, 2 cores). On CPU the gather targets are per-thread
-buffers kept between calls (see ``_GatherBuffers``).
+Cost: the fused CPU decode moves K/V once, like SDPA over contiguous K/V
+(``bench/attention.py``). The gather path moves them twice (the gather's copy,
+then SDPA reading it): on CPU, where decode is memory-bound, about 2x SDPA's
+time. On CPU the gather targets are per-thread buffers kept between calls (see
+``_GatherBuffers``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from kvdaemon.client import cpu_decode
 from kvdaemon.errors import BadRequest
 
 DECODE_CHUNK_BYTES = 32 * 1024 * 1024
@@ -92,6 +95,11 @@ def paged_attention(
     out = torch.empty_like(query)
     q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
     decode = sorted((s for s, n in enumerate(q_lens) if n == 1), key=lens.__getitem__)
+    if decode and cpu_decode.usable(query, k_cache, v_cache):
+        rows = [starts[s] for s in decode]
+        cpu_decode.attend(out, query, k_cache, v_cache, block_tables, seq_lens, decode, rows, scale,
+                          sliding_window, softcap)
+        decode = []
     token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # K+V of one token
     for chunk in _decode_chunks(decode, lens, token_bytes):
         rows = [starts[s] for s in chunk]

@@ -59,6 +59,7 @@ class Backend(Protocol):
 
     name: str
     device: int
+    recycles_released_pages: bool  # True where fresh memory is faulted in on first touch (host)
     page_size_bytes: int
     num_pages: int
 
@@ -147,4 +148,13 @@ class Backend(Protocol):
 
     def copy_in(self, page: PhysicalPage, src: memoryview) -> None:
         """Copy host memory ``src`` (``page_size_bytes`` long) into the page."""
+        ...
+
+    def copy_out_pages(self, pages: list[PhysicalPage], dest: memoryview) -> None:
+        """Copy pages created here into ``dest``, page i at ``i * page_size_bytes`` (a warm
+        sleep: the fastest way the backend has, see each backend's docstring)."""
+        ...
+
+    def copy_in_pages(self, pages: list[PhysicalPage], src: memoryview) -> None:
+        """Copy ``src`` into pages created here, the inverse of ``copy_out_pages``."""
         ...

@@ -22,6 +22,12 @@ mapped. They are CUDA tensors, except on the test double of
 "device" memory in host memory at the same addresses, and views there are CPU
 tensors, so the whole CUDA path runs on machines without a GPU.
 
+Bulk copies (``copy_out_pages``/``copy_in_pages``, a warm sleep's) map the
+pages in chunks of ``STAGING_PAGES`` into two staging ranges and copy each
+chunk with one asynchronous copy on its own stream, so the next chunk is
+mapped while the last one is in flight; the host side is a page-locked buffer
+(``pin_host``), so the copies are DMA at the link's speed.
+
 Cost: one or two driver calls per operation (plus a ``cuCtxSynchronize`` per
 ``unmap``); ``create_page`` adds a map, a memset and an unmap.
 """
@@ -43,6 +49,8 @@ from kvdaemon.errors import BackendError
 if TYPE_CHECKING:
     import torch
 
+STAGING_PAGES = 32
+"""Pages per asynchronous bulk copy (two such chunks in flight at most)."""
 HOST_MEMORY_DEVICE_PREFIX = "kvdaemon fake CUDA"
 """Device names of the test double whose device memory is host memory (views are CPU tensors)."""
 
@@ -83,6 +91,7 @@ class CudaBackend:
     """Device-memory backend over the CUDA driver's VMM API (see the module docstring)."""
 
     name = "cuda"
+    recycles_released_pages = False  # cuMemCreate memory needs no first-touch faults
 
     def __init__(
         self, num_pages: int = 0, page_size_bytes: int = DEFAULT_PAGE_SIZE_BYTES, device: int = 0
@@ -102,6 +111,8 @@ class CudaBackend:
         self._imported: dict[int, Any] = {}  # id(handle) -> handle, released at close()
         self._staging = 0  # a one-page range where copy_out/copy_in/zeroing map pages
         self._staging_lock = threading.Lock()  # one page at a time in the staging slot
+        self._bulk: list[tuple[int, Any]] = []  # (staging range, stream) x 2 for bulk copies
+        self._bulk_lock = threading.Lock()  # one bulk copy at a time
         self.device_name = ""
         self.host_memory = False  # True on the fake driver: views are CPU tensors
 
@@ -179,6 +190,9 @@ class CudaBackend:
             for addr in self._book.mapped_in(start):
                 self.unmap(addr, self.page_size_bytes)
             self.free_range(start)
+        for _, stream in self._bulk:
+            self._drv.cuStreamDestroy(stream)
+        self._bulk.clear()
         for handle in [*self._created.values(), *self._imported.values()]:
             self._drv.cuMemRelease(handle)
         self._created.clear()
@@ -347,6 +361,68 @@ class CudaBackend:
         host_ptr = self._host_pointer(src)
         with self._staged(page) as device_ptr:
             self._check(self._drv.cuMemcpyHtoD(device_ptr, host_ptr, self.page_size_bytes), "cuMemcpyHtoD")
+
+    def copy_out_pages(self, pages: list[PhysicalPage], dest: memoryview) -> None:
+        self._copy_pages(pages, dest, to_host=True)
+
+    def copy_in_pages(self, pages: list[PhysicalPage], src: memoryview) -> None:
+        self._copy_pages(pages, src, to_host=False)
+
+    def _copy_pages(self, pages: list[PhysicalPage], host: memoryview, to_host: bool) -> None:
+        """Page i of ``pages`` to or from ``host[i * page_size:]``, in chunks (module docstring)."""
+        size = self.page_size_bytes
+        if len(host) != len(pages) * size:
+            raise BackendError(f"{len(pages)} pages need a buffer of {len(pages) * size} bytes, got {len(host)}")
+        drv = self._driver()
+        host_ptr = _address(host) if pages else 0
+        with self._bulk_lock:
+            slots = self._bulk_slots()
+            in_flight = [0, 0]  # pages mapped in each slot, their copy queued on its stream
+            try:
+                for i, start in enumerate(range(0, len(pages), STAGING_PAGES)):
+                    which = i % 2
+                    self._drain(slots[which], in_flight, which)
+                    base, stream = slots[which]
+                    chunk = pages[start : start + STAGING_PAGES]
+                    for j, page in enumerate(chunk):
+                        self.map_page(base + j * size, page)
+                        in_flight[which] = j + 1
+                    num_bytes, at_host = len(chunk) * size, host_ptr + start * size
+                    if to_host:
+                        result = drv.cuMemcpyDtoHAsync(at_host, drv.CUdeviceptr(base), num_bytes, stream)
+                    else:
+                        result = drv.cuMemcpyHtoDAsync(drv.CUdeviceptr(base), at_host, num_bytes, stream)
+                    self._check(result, "cuMemcpyDtoHAsync" if to_host else "cuMemcpyHtoDAsync")
+            finally:
+                for which in (0, 1):
+                    self._drain(slots[which], in_flight, which)
+
+    def _bulk_slots(self) -> list[tuple[int, Any]]:
+        """The two staging ranges and their streams (made on first use, kept until close)."""
+        if not self._bulk:
+            flags = self._drv.CUstream_flags.CU_STREAM_NON_BLOCKING
+            for _ in range(2):
+                stream = self._check(self._drv.cuStreamCreate(flags), "cuStreamCreate")
+                try:
+                    base = self.reserve(STAGING_PAGES * self.page_size_bytes)
+                except BackendError:
+                    self._drv.cuStreamDestroy(stream)
+                    raise
+                self._bulk.append((base, stream))
+        return self._bulk
+
+    def _drain(self, slot: tuple[int, Any], in_flight: list[int], which: int) -> None:
+        """Wait for the copy queued on ``slot``'s stream, then unmap its pages (no context-wide sync)."""
+        if not in_flight[which]:
+            return
+        base, stream = slot
+        num_bytes = in_flight[which] * self.page_size_bytes
+        in_flight[which] = 0
+        slots = list(self._book.slots(base, num_bytes))
+        self._check(self._drv.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        self._check(self._drv.cuMemUnmap(self._drv.CUdeviceptr(base), num_bytes), "cuMemUnmap")
+        for addr in slots:
+            self._book.unmark_mapped(addr)
 
     def _host_pointer(self, buf: memoryview) -> int:
         if len(buf) != self.page_size_bytes:

@@ -12,6 +12,13 @@ crosses processes like a CUDA handle: ``export_page`` dups it, and
 Unlike CUDA, releasing a page zeroes it for every process that still maps it:
 the daemon must release a page only once its tenant unmapped it or died.
 
+Bulk copies (``copy_out_pages``/``copy_in_pages``, a warm sleep's) go through
+one shared mapping of the whole pool in this process (made on first use):
+each run of consecutive pages is backed in bulk (``MADV_POPULATE_WRITE``) and
+copied with ``memmove`` on several threads (``host_copy``). Fresh memory costs
+a fault per 4 KiB on first touch, so the daemon may keep a warm sleeper's
+released pages backed for a wake (``recycles_released_pages``).
+
 Cost: map and unmap are one ``mmap`` syscall each; release is one ``fallocate``.
 """
 
@@ -26,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from kvdaemon.cuda_vmm import host_copy
 from kvdaemon.cuda_vmm.address_book import AddressBook
 from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage
 from kvdaemon.errors import BackendError
@@ -75,6 +83,7 @@ class HostBackend:
     """
 
     name = "host"
+    recycles_released_pages = True  # fresh memory is faulted in on first touch
 
     def __init__(
         self, num_pages: int = 0, page_size_bytes: int = DEFAULT_PAGE_SIZE_BYTES, device: int = 0
@@ -94,6 +103,7 @@ class HostBackend:
         self._book = AddressBook(page_size_bytes)
         self._created: set[int] = set()
         self._imported_fds: dict[tuple[int, int], int] = {}
+        self._pool_view = 0  # this process's shared mapping of the whole pool, for bulk copies
 
     @property
     def granularity_bytes(self) -> int:
@@ -120,6 +130,9 @@ class HostBackend:
         for fd in self._imported_fds.values():
             os.close(fd)
         self._imported_fds.clear()
+        if self._pool_view:
+            self._libc.munmap(self._pool_view, self.num_pages * self.page_size_bytes)
+            self._pool_view = 0
         if self.pool_fd >= 0:
             os.close(self.pool_fd)
             self.pool_fd = -1
@@ -289,6 +302,52 @@ class HostBackend:
         done = 0
         while done < self.page_size_bytes:
             done += os.pwritev(page.handle, [src[done:]], page.offset_bytes + done)
+
+    def copy_out_pages(self, pages: list[PhysicalPage], dest: memoryview) -> None:
+        self._copy_pages(pages, dest, to_host=True)
+
+    def copy_in_pages(self, pages: list[PhysicalPage], src: memoryview) -> None:
+        self._copy_pages(pages, src, to_host=False)
+
+    def _copy_pages(self, pages: list[PhysicalPage], host: memoryview, to_host: bool) -> None:
+        """Copy ``pages`` (created here) to or from ``host``, page i at ``i * page_size``."""
+        size = self.page_size_bytes
+        if len(host) != len(pages) * size:
+            raise BackendError(f"{len(pages)} pages need a buffer of {len(pages) * size} bytes, got {len(host)}")
+        if not pages:
+            return
+        base = self._pool_address()
+        for page in pages:
+            if page.handle != self.pool_fd or page.page_id not in self._created:
+                raise BackendError(f"page {page.page_id} was not created here; cannot copy it in bulk")
+        host_addr = host_copy.address_of(host)
+        moves: list[host_copy.Move] = []
+        for i, page in enumerate(pages):
+            pool_addr, buf_addr = base + page.offset_bytes, host_addr + i * size
+            dst, src = (buf_addr, pool_addr) if to_host else (pool_addr, buf_addr)
+            last = moves[-1] if moves else None
+            if last is not None and last[0] + last[2] == dst and last[1] + last[2] == src:
+                moves[-1] = (last[0], last[1], last[2] + size)  # one run of consecutive pages
+            else:
+                moves.append((dst, src, size))
+        for dst, src, run in moves:
+            host_copy.populate(src if to_host else dst, run)  # the pool side: PTEs in bulk
+        if to_host:
+            host_copy.populate(host_addr, len(host))  # a no-op walk when already backed
+        host_copy.copy_ranges(moves)
+
+    def _pool_address(self) -> int:
+        """This process's read-write shared mapping of the whole pool (made once)."""
+        libc = self._lib()
+        if self.pool_fd < 0:
+            raise BackendError("only the pool's creator copies pages in bulk")
+        if not self._pool_view:
+            span = self.num_pages * self.page_size_bytes
+            got = libc.mmap(None, span, _PROT_RW, _MAP_SHARED, self.pool_fd, 0)
+            if got == _MAP_FAILED:
+                raise _os_error("mapping the pool for copies")
+            self._pool_view = got
+        return self._pool_view
 
     def _check_copy(self, page: PhysicalPage, buf: memoryview) -> None:
         self._lib()

@@ -37,6 +37,9 @@ Guarantees:
 - The pool's cached-only blocks are offered to the daemon's reclaim
   (``BlockManager.serve_reclaim_for``), and grows do not wait for other
   tenants (``grow_wait_s``, default 0): a step never stalls on the daemon.
+  After each step the pool is told what the next one will take
+  (``keep_free``): it maps that ahead in the background, so prefills rarely
+  wait for a grow, and a reclaim never takes it.
 
 The model runs with ``hf_attention.ATTENTION_NAME`` inside the engine's
 forwards only: between steps it is unchanged (its own ``generate`` works). The
@@ -115,6 +118,7 @@ class Engine:
         self.last_num_scheduled_tokens = 0
         self._next_request_id = 0
         self._step_lock = StepGate()  # held by a step, and from quiesce to resume; quiesce first
+        self._reserve_blocks = 0  # what the pool was last told to keep free
         self._num_block_losses = pool.num_block_losses
         self._caches = (
             [pool.key_cache(i) for i in range(pool.spec.num_layers)],
@@ -196,9 +200,11 @@ class Engine:
         with self._step_lock:
             self.last_num_scheduled_tokens = 0
             if self._closed or not self.scheduler.has_work or not self._awake():
+                self._keep_free(0)
                 return []
             batch = self.scheduler.schedule()
             if not batch:
+                self._keep_free(self.scheduler.blocks_needed_next())
                 return []
             next_ids = self._forward(batch)
             self.pool.note_activity()  # busy, however slowly its blocks fill
@@ -206,7 +212,15 @@ class Engine:
             self.num_generated_tokens += len(next_ids)
             self.last_num_scheduled_tokens = batch.num_tokens
             self.num_computed_tokens += batch.num_tokens
-            return self.scheduler.complete(batch, next_ids, self.clock())
+            finished = self.scheduler.complete(batch, next_ids, self.clock())
+            self._keep_free(self.scheduler.blocks_needed_next())
+            return finished
+
+    def _keep_free(self, num_blocks: int) -> None:
+        """Tell the pool what the next step will take (it maps that ahead, in the background)."""
+        if num_blocks != self._reserve_blocks:
+            self._reserve_blocks = num_blocks
+            self.pool.keep_free(num_blocks)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, stall_timeout_s: float = 30.0
@@ -289,6 +303,7 @@ class Engine:
             for request in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.abort(request)
             self.manager.evict_cached(self.manager.num_evictable_blocks)
+            self._keep_free(0)
             self.pool.quiesce_hook = self.pool.resume_hook = self.pool.reclaim_hook = None
 
     def __enter__(self) -> Engine:

@@ -138,6 +138,29 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def blocks_needed_next(self) -> int:
+        """Blocks the next step will likely take: each running request's next tokens (a
+        decode, or the rest of a prefill within the budget), then the prompts of the
+        waiting requests the budget left would admit (cache hits not counted); while any
+        request is unfinished, at least a full budget's worth (requests arriving before
+        the next step). O(requests the budget covers)."""
+        size, budget, need = self.manager.block_size, self.max_num_batched_tokens, 0
+        for request in self.running:
+            if budget <= 0:
+                return need
+            end = min(request.num_tokens + 1, request.num_computed + budget)
+            need += max(0, -(-end // size) - -(-request.num_computed // size))
+            budget -= max(1, request.num_tokens - request.num_computed)
+        for request in self.waiting:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            tokens = min(request.num_tokens + 1, budget)
+            need += -(-tokens // size)
+            budget -= tokens
+        if self.has_work:
+            need = max(need, -(-self.max_num_batched_tokens // size))
+        return need
+
     # -- preemption and removal ----------------------------------------------------
 
     def preempt(self, request: Request) -> None:

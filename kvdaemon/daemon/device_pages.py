@@ -4,10 +4,20 @@
 only when it is granted (on CUDA that is when device memory is taken), and
 releases it when it comes back.
 
+*Idle* pages: on a backend whose fresh memory costs a fault per 4 KiB on first
+touch (``recycles_released_pages``: the host backend), the pages a warm sleep
+gives back may be kept created ("idle": free, not yet released) until
+``keep_until``, at most ``max_idle`` of them. A grant that will overwrite every
+byte (a warm wake's restore: ``alloc(..., overwrite=True)``) takes idle pages
+first, so the restore writes into memory already there; any other grant takes
+never-touched pages first and releases and re-creates an idle page before
+handing it out (fresh pages read zero). ``trim(now)`` releases the idle pages
+whose time is up. Idle pages count as free everywhere.
+
 Invariants (``check`` asserts them):
 
-- every page id is either on the free stack or owned by exactly one
-  ``(tenant_id, segment, logical_page)``;
+- every page id is either free (on the free stack, or idle) or owned by
+  exactly one ``(tenant_id, segment, logical_page)``;
 - ``num_free + num_owned == num_pages``.
 
 Cost: ``alloc`` and ``free`` are O(1) per page plus one backend create/release.
@@ -16,6 +26,7 @@ Cost: ``alloc`` and ``free`` are O(1) per page plus one backend create/release.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import NamedTuple
 
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
@@ -35,18 +46,24 @@ class Owner(NamedTuple):
 class DevicePages:
     """Free stack and owner table over a started backend's ``num_pages`` pages."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, max_idle: int = 0) -> None:
         self.backend = backend
         self.num_pages = backend.num_pages
         self.page_size_bytes = backend.page_size_bytes
+        self.max_idle = max_idle if getattr(backend, "recycles_released_pages", False) else 0
         # Pop from the end: low page ids go out first, which keeps tests readable.
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._idle: OrderedDict[int, tuple[PhysicalPage, float]] = OrderedDict()  # oldest first
         self._owners: dict[int, Owner] = {}
         self._pages: dict[int, PhysicalPage] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
 
     @property
     def capacity_bytes(self) -> int:
@@ -54,43 +71,70 @@ class DevicePages:
 
     @property
     def free_bytes(self) -> int:
-        return len(self._free) * self.page_size_bytes
+        return self.num_free * self.page_size_bytes
 
-    def alloc(self, owners: list[Owner]) -> list[PhysicalPage]:
-        """Create one page per owner; all or nothing.
+    def alloc(self, owners: list[Owner], overwrite: bool = False) -> list[PhysicalPage]:
+        """One page per owner; all or nothing. ``overwrite``: the caller writes every byte
+        before anyone reads (idle pages first, as they are); else the pages read zero.
 
         Raises ``NoMemory`` when fewer than ``len(owners)`` pages are free, and
         re-raises ``BackendError`` after undoing any pages already created.
         """
-        if len(owners) > len(self._free):
-            raise NoMemory(f"{len(owners)} pages wanted, {len(self._free)} free")
+        if len(owners) > self.num_free:
+            raise NoMemory(f"{len(owners)} pages wanted, {self.num_free} free")
         pages: list[PhysicalPage] = []
         try:
             for owner in owners:
-                page_id = self._free.pop()
-                try:
-                    page = self.backend.create_page(page_id)
-                except BackendError:
-                    self._free.append(page_id)
-                    raise
-                self._pages[page_id] = page
-                self._owners[page_id] = owner
+                page = self._take(overwrite)
+                self._pages[page.page_id] = page
+                self._owners[page.page_id] = owner
                 pages.append(page)
         except BackendError:
             self.free([p.page_id for p in pages])
             raise
         return pages
 
-    def free(self, page_ids: list[int]) -> None:
-        """Release owned pages back to the backend and the free stack."""
+    def _take(self, overwrite: bool) -> PhysicalPage:
+        """A free page: an idle one as it is (``overwrite``), else a created one reading zero."""
+        if self._idle and (overwrite or not self._free):
+            page_id, (page, _) = self._idle.popitem(last=False)
+            if overwrite:
+                return page
+            self._release(page)  # its bytes are another owner's: a fresh page instead
+        else:
+            page_id = self._free.pop()
+        try:
+            return self.backend.create_page(page_id)
+        except BackendError:
+            self._free.append(page_id)
+            raise
+
+    def free(self, page_ids: list[int], keep_until: float | None = None) -> None:
+        """Give owned pages back: released now, or kept idle until ``keep_until`` where the
+        backend gains from it and fewer than ``max_idle`` are idle (see the module docstring)."""
         for page_id in page_ids:
             page = self._pages.pop(page_id)
             del self._owners[page_id]
-            try:
-                self.backend.release_page(page)
-            except BackendError as exc:  # the page stays usable; only its memory was not given back
-                log.error("releasing page %d failed: %s", page_id, exc)
+            if keep_until is not None and len(self._idle) < self.max_idle:
+                self._idle[page_id] = (page, keep_until)
+                continue
+            self._release(page)
             self._free.append(page_id)
+
+    def trim(self, now: float) -> int:
+        """Release the idle pages kept until ``now`` or earlier; return how many."""
+        expired = [page_id for page_id, (_, until) in self._idle.items() if until <= now]
+        for page_id in expired:
+            page, _ = self._idle.pop(page_id)
+            self._release(page)
+            self._free.append(page_id)
+        return len(expired)
+
+    def _release(self, page: PhysicalPage) -> None:
+        try:
+            self.backend.release_page(page)
+        except BackendError as exc:  # the page stays usable; only its memory was not given back
+            log.error("releasing page %d failed: %s", page.page_id, exc)
 
     def page(self, page_id: int) -> PhysicalPage:
         return self._pages[page_id]
@@ -100,8 +144,8 @@ class DevicePages:
 
     def check(self) -> None:
         """Assert the pool's invariants. O(num_pages)."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a page is on the free stack twice"
+        free = set(self._free) | self._idle.keys()
+        assert len(free) == len(self._free) + len(self._idle), "a page is free twice"
         assert not free & self._owners.keys(), "a page is both free and owned"
         assert len(free) + len(self._owners) == self.num_pages, "a page is lost"
         assert self._owners.keys() == self._pages.keys(), "owner and page tables disagree"

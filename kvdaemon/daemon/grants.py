@@ -55,15 +55,17 @@ class Grants:
             self.on_grant(time.perf_counter() - started, num_pages * tenant.spec.num_segments)
         return result
 
-    def grant(self, tenant: Tenant, wanted: list[int], now: float) -> dict[str, Any]:
+    def grant(self, tenant: Tenant, wanted: list[int], now: float, overwrite: bool = False) -> dict[str, Any]:
         """Take pages for ``wanted`` and queue their fds to the tenant; no limit checks.
 
+        ``overwrite``: the caller writes every byte of the pages before the
+        tenant reads them (a warm wake), so they need not read zero.
         Raises ``NoMemory`` (nothing taken) when the pool is short.
         """
         owners = [
             Owner(tenant.tenant_id, seg, lp) for lp in wanted for seg in range(tenant.spec.num_segments)
         ]
-        pages = self.pages.alloc(owners)
+        pages = self.pages.alloc(owners, overwrite)
         frames = self._export(pages)
         grant_id = self._next_grant_id
         self._next_grant_id += 1
@@ -147,11 +149,13 @@ class Grants:
             self.on_shrink(len(wanted) * tenant.spec.num_segments)
         return {"num_released": len(wanted), "mapped_bytes": tenant.mapped_bytes}
 
-    def release_all(self, tenant: Tenant) -> int:
-        """Give every page ``tenant`` holds back to the pool; return how many went."""
+    def release_all(self, tenant: Tenant, keep_until: float | None = None) -> int:
+        """Give every page ``tenant`` holds back to the pool; return how many went.
+
+        ``keep_until``: the pool may keep them idle until then (``DevicePages.free``)."""
         num_pages = 0
         for pages in tenant.logical.values():
-            self.pages.free([p.page_id for p in pages])
+            self.pages.free([p.page_id for p in pages], keep_until)
             num_pages += len(pages)
         tenant.logical.clear()
         return num_pages

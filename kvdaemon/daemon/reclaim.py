@@ -15,10 +15,21 @@ the daemon:
    grow still short at its ``wait_s`` (the client's, at most ``wait_s`` here)
    is answered ``NO_MEMORY``.
 
+Ahead of need (``ask_ahead``, each tick): while fewer than ``LOW_WATER`` of
+the pages are free and no grow is parked, the daemon asks the tenants holding
+the most above their ``min_bytes`` (per unit of weight) for what is missing, at
+most once per ``ASK_AHEAD_S``. A pool gives spare pages and cache-only pages,
+never the reserve its engine's next step needs, so a burst starting later finds
+free pages instead of waiting for other tenants' caches to shrink.
+
 A grow with ``wait_s == 0`` is never parked: the victims are asked (step 1) so
 that pages come back for a later grow, and the grow fails at once with
 ``NO_MEMORY``. A grow that no reclaim could serve (the others hold nothing
-above their guarantees) fails at once. Nothing here takes a page from a
+above their guarantees) fails at once. A tenant whose own grow found
+too few pages free in the last ``STARVED_S`` is nobody's victim (it is short
+itself: asking it would only move memory between busy tenants, as under a
+steady overload, where every tenant keeps what it has, like a static split).
+Nothing here takes a page from a
 tenant: tenants give pages back themselves, or sleep. Logical page 0 of a
 tenant is never counted as reclaimable (pools keep it mapped).
 
@@ -41,6 +52,9 @@ from kvdaemon.errors import KVDaemonError, NoMemory, UnknownTenant
 from kvdaemon.wire.messages import ReclaimNotice
 
 log = logging.getLogger("kvdaemon.reclaim")
+LOW_WATER = 0.1  # the fraction of the pages the daemon keeps free by asking idle memory back
+ASK_AHEAD_S = 0.25  # at most one such ask per this interval
+STARVED_S = 1.0  # a tenant refused pages this recently is asked for none
 
 
 @dataclass
@@ -74,6 +88,8 @@ class Reclaimer:
         self.parked: list[ParkedGrow] = []
         self.num_reclaim_requests = 0
         self.num_victims_slept = 0
+        self.num_asks_ahead = 0
+        self._next_ask_ahead = float("-inf")
 
     def park(
         self, tenant: Tenant, candidates: list[int], min_pages: int, waiter: PendingReply,
@@ -83,8 +99,9 @@ class Reclaimer:
 
         With ``wait_s == 0`` the victims are still asked, but nothing is parked.
         """
+        tenant.starved_at = now
         short = self._short(tenant, min_pages)
-        victims = self._victims(tenant)
+        victims = self._victims(tenant, now)
         if sum(pages for _, pages in victims) < short:
             return False
         self._ask(victims, short, stop_when_covered=True)
@@ -108,12 +125,24 @@ class Reclaimer:
             self.num_reclaim_requests += 1
             remaining -= num_logical * victim.spec.num_segments
 
-    def _victims(self, requester: Tenant) -> list[tuple[Tenant, int]]:
-        """Other active tenants with pages above ``min_bytes``: (tenant, pages above), best first."""
+    def ask_ahead(self, now: float) -> None:
+        """Keep ``LOW_WATER`` of the pages free: ask the largest holders for what is missing."""
+        short = int(self.pages.num_pages * LOW_WATER) - self.pages.num_free
+        if short <= 0 or self.parked or now < self._next_ask_ahead:
+            return
+        self._next_ask_ahead = now + ASK_AHEAD_S
+        victims = self._victims(None, now)
+        if victims:
+            self._ask(victims, short, stop_when_covered=True)
+            self.num_asks_ahead += 1
+
+    def _victims(self, requester: Tenant | None, now: float) -> list[tuple[Tenant, int]]:
+        """Other active tenants with pages above ``min_bytes``, not short themselves
+        (``STARVED_S``): (tenant, pages above), best first."""
         found = [
             (t, t.reclaimable_pages) for t in self.tenants
             if t is not requester and t.state is TenantState.ACTIVE and t.leased
-            and t.reclaimable_pages
+            and t.reclaimable_pages and now - t.starved_at >= STARVED_S
         ]  # fmt: skip
         found.sort(key=lambda item: item[1] / item[0].weight, reverse=True)
         return found
@@ -148,7 +177,7 @@ class Reclaimer:
         if tenant is None:
             return
         if parked.stage == 0 and waited >= self.escalate_s:
-            self._ask(self._victims(tenant), self._short(tenant, parked.min_pages), stop_when_covered=False)
+            self._ask(self._victims(tenant, now), self._short(tenant, parked.min_pages), stop_when_covered=False)
             parked.stage = 1
         elif parked.stage == 1 and waited >= 2 * self.escalate_s:
             self._sleep_a_victim(tenant, now)
@@ -158,7 +187,7 @@ class Reclaimer:
         if not self.sleep_victims:
             return False
         candidates = [
-            t for t, _ in self._victims(requester)
+            t for t, _ in self._victims(requester, now)
             if t.min_bytes == 0 and t.pending_sleep is None and t.sleepable
         ]  # fmt: skip
         if not candidates:

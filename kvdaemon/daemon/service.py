@@ -42,7 +42,7 @@ from kvdaemon.daemon.policy_book import PolicyBook
 from kvdaemon.daemon.ports import LeasePort
 from kvdaemon.daemon.reclaim import Reclaimer
 from kvdaemon.daemon.reply import Call, PendingReply, ReplySink
-from kvdaemon.daemon.sleep import Sleeper
+from kvdaemon.daemon.sleep import MAX_CACHED_BUFFER_BYTES, Sleeper
 from kvdaemon.daemon.tenant import Tenant, Tenants, WireSpec, check_name
 from kvdaemon.daemon.tenant_log import ActivityLog, log_registered, log_removed
 from kvdaemon.errors import (
@@ -74,7 +74,7 @@ class Service:
     ) -> None:
         self.config = config if config is not None else DaemonConfig()
         self.backend = backend
-        self.pages = DevicePages(backend)
+        self.pages = DevicePages(backend, max_idle=MAX_CACHED_BUFFER_BYTES // backend.page_size_bytes)
         self.leases = leases
         self.sink = sink
         self.clock = clock
@@ -279,7 +279,7 @@ class Service:
 
     def op_sleep_ready(self, args: Args, _call: Call) -> dict[str, Any]:
         tenant = self._authenticated(args)
-        return self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"))
+        return self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"), self.clock())
 
     def op_wake(self, args: Args, _call: Call) -> dict[str, Any]:
         by_owner = args.has("token")
@@ -334,7 +334,9 @@ class Service:
                 why = f"it never attached its handle channel within {timeout_s:g} s"
                 self.remove(tenant, why, clean=False)
         self.sleeper.expire(now)
+        self.pages.trim(now)
         self.reclaimer.retry(now)
+        self.reclaimer.ask_ahead(now)
         if self.config.idle_sleep_s is not None:
             self.sleeper.sleep_idle(now, self.config.idle_sleep_s, self.config.idle_mode)
         self.activity.tick(self.tenants, now)

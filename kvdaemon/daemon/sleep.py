@@ -18,6 +18,11 @@ and both sides always end in the same state:
    ``sleep_ready`` is refused, so the tenant maps its pages back. Only the
    daemon decides; the tenant acts on the decision.
 
+A warm sleeper's pages stay idle in the pool for ``IDLE_KEEP_S`` (where the
+backend gains from it, ``DevicePages``): a wake soon after writes its bytes
+back into memory that is already there instead of into memory the OS must
+fault in; anyone else's grant gets them zeroed.
+
 ``wake`` grants fresh pages at the same logical pages, copies the saved bytes
 in (warm), and sends the tenant a ``wake`` notice naming the grant; a cold
 tenant wakes with no pages. Its virtual addresses never changed, so block
@@ -45,6 +50,7 @@ from kvdaemon.wire.sizes import format_bytes
 
 log = logging.getLogger("kvdaemon.sleep")
 MAX_CACHED_BUFFER_BYTES = 2 << 30  # host memory kept for the next warm sleep, at most
+IDLE_KEEP_S = 30.0  # a warm sleeper's freed pages stay backed this long (host backend)
 
 
 class Sleeper:
@@ -97,7 +103,7 @@ class Sleeper:
             return self._result(tenant, 0)
         return {**self._result(tenant, 0), "already": True}
 
-    def finish(self, tenant: Tenant, sleep_id: int, refused: bool) -> dict[str, Any]:
+    def finish(self, tenant: Tenant, sleep_id: int, refused: bool, now: float) -> dict[str, Any]:
         """The tenant's answer to sleep ``sleep_id``: the daemon's decision (module docstring)."""
         if tenant.last_sleep is not None and tenant.last_sleep[0] == sleep_id:
             return tenant.last_sleep[1]  # a retried sleep_ready: the same answer
@@ -116,9 +122,11 @@ class Sleeper:
             if pending.waiter is not None:
                 pending.waiter.fail(error)
             return {"state": tenant.state.value, "refused": True}
+        keep_until = None
         if pending.mode == "warm":
             tenant.warm = swap.save(self.backend, tenant.logical, tenant.spec.num_segments, self.buffers)
-        num_pages = self.grants.release_all(tenant)
+            keep_until = now + IDLE_KEEP_S
+        num_pages = self.grants.release_all(tenant, keep_until)
         tenant.state = TenantState.sleeping(pending.mode)
         tenant.num_sleeps += 1
         self.num_sleeps += 1
@@ -146,7 +154,7 @@ class Sleeper:
             return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes, "already": True}
         grant: dict[str, Any] = {"grant_id": 0, "pages": []}
         if tenant.warm is not None:
-            grant = self.grants.grant(tenant, tenant.warm.logical_pages, now)
+            grant = self.grants.grant(tenant, tenant.warm.logical_pages, now, overwrite=True)
             swap.restore(self.backend, tenant.warm, tenant.logical)
             self._drop_warm(tenant)
         tenant.state = TenantState.ACTIVE

@@ -139,6 +139,7 @@ class Tenant:
     last_active: float = 0.0
     peak_mapped_bytes: int = 0
     num_refused_grows: int = 0
+    starved_at: float = float("-inf")  # when a grow of it last found too few pages free
     num_sleeps: int = 0
     num_grown_pages: int = 0  # logical pages granted by grows, ever
     num_shrunk_pages: int = 0  # logical pages given back by shrinks, ever

@@ -265,6 +265,57 @@ def backend_created_pages_read_zero_over_the_drivers_garbage() -> None:
 
 
 @case
+def driver_async_copies_need_a_live_stream_and_access() -> None:
+    raw = Raw()
+    stream = expect(drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), OK, "cuStreamCreate")
+    addr = reserve(PAGE)
+    handle = raw.create()
+    host = torch.zeros(PAGE, dtype=torch.uint8)
+    expect(drv.cuMemMap(addr, PAGE, 0, handle, 0), OK, "cuMemMap")
+    expect(drv.cuMemcpyDtoHAsync(host.data_ptr(), addr, PAGE, stream), E.CUDA_ERROR_ILLEGAL_ADDRESS,
+           "an async copy before cuMemSetAccess")
+    expect(drv.cuMemSetAccess(addr, PAGE, [raw.access], 1), OK, "set access")
+    expect(drv.cuMemcpyDtoHAsync(host.data_ptr(), addr, PAGE, stream), OK, "an async copy")
+    expect(drv.cuStreamSynchronize(stream), OK, "cuStreamSynchronize")
+    expect(drv.cuStreamDestroy(stream), OK, "cuStreamDestroy")
+    expect(drv.cuMemcpyHtoDAsync(addr, host.data_ptr(), PAGE, stream), E.CUDA_ERROR_INVALID_HANDLE,
+           "a copy on a destroyed stream")
+    expect(drv.cuStreamSynchronize(stream), E.CUDA_ERROR_INVALID_HANDLE, "a sync of a destroyed stream")
+
+
+@case
+def backend_bulk_copies_round_trip_in_chunks_through_pinned_buffers() -> None:
+    from kvdaemon.cuda_vmm.cuda import STAGING_PAGES
+
+    num = STAGING_PAGES + 5  # two chunks: both staging slots in use
+    backend = started(num_pages=2 * num)
+    addr = backend.reserve(num * PAGE)
+    pages = [backend.create_page(i) for i in range(num)]
+    for i, page in enumerate(pages):
+        backend.map_page(addr + i * PAGE, page)
+    written = torch.randint(0, 1 << 30, (num * PAGE // 4,), dtype=torch.int32)
+    backend.tensor(addr, num * PAGE, torch.int32).copy_(written)
+    host = bytearray(num * PAGE)
+    backend.pin_host(memoryview(host))
+    order = pages[::-1]  # page i of the buffer is the i-th page asked for
+    backend.copy_out_pages(order, memoryview(host))
+    fresh = [backend.create_page(num + i) for i in range(num)]
+    backend.copy_in_pages(fresh[::-1], memoryview(host))
+    backend.unpin_host(memoryview(host))
+    backend.unmap(addr, num * PAGE)
+    for i, page in enumerate(fresh):
+        backend.map_page(addr + i * PAGE, page)
+    assert torch.equal(backend.tensor(addr, num * PAGE, torch.int32), written)
+    copies = [c for c in driver_log() if c.name.startswith("cuMemcpy")]
+    assert {c.name for c in copies} == {"cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync"}
+    assert len(copies) == 4, "one copy per chunk each way"
+    assert all("pinned=1" in c.detail and c.result == 0 for c in copies)
+    with pytest.raises(BackendError, match="bytes"):
+        backend.copy_out_pages(pages[:2], memoryview(host)[:PAGE])
+    backend.close()
+
+
+@case
 def backend_page_copies_round_trip_through_pinned_buffers() -> None:
     backend = started()
     addr = backend.reserve(PAGE)

@@ -149,6 +149,11 @@ class System:
                 self.daemon.wait(10)
 
 
+def copied_bytes(call: Any) -> int:
+    """The size a logged copy moved (its detail reads ``... size=N ...``)."""
+    return int(call.detail.split("size=", 1)[1].split()[0])
+
+
 @pytest.fixture
 def system(fake_cuda: FakeCuda) -> Iterator[System]:
     root = short_dir()
@@ -200,10 +205,11 @@ def test_two_tenants_grow_reclaim_and_sleep_warm_and_cold(system: System) -> Non
     system.check_accounting()
 
     daemon_calls = system.calls(daemon.pid)
-    copies = [c for c in daemon_calls if c.name in ("cuMemcpyDtoH", "cuMemcpyHtoD")]
-    assert len([c for c in copies if c.name == "cuMemcpyDtoH"]) == 14  # b's 7 logical pages, K and V
-    assert len([c for c in copies if c.name == "cuMemcpyHtoD"]) == 14
+    copies = [c for c in daemon_calls if c.name in ("cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync")]
+    for name in ("cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync"):  # b's 7 logical pages, K and V, each way
+        assert sum(copied_bytes(c) for c in copies if c.name == name) == 14 * PAGE_BYTES, name
     assert all("pinned=1" in c.detail for c in copies), "a swap copy used pageable memory"
+    assert not [c for c in daemon_calls if c.name in ("cuMemcpyDtoH", "cuMemcpyHtoD")], "a page-by-page copy"
     assert any(c.name == "cuMemHostRegister" for c in daemon_calls)
     a.close()
     b.close()
@@ -275,8 +281,8 @@ def test_the_engine_generates_through_a_warm_sleep(system: System) -> None:
     engine.send("generate", prompts=prompts, new=24)
     system.client.sleep("engine", mode="warm")  # between two steps (or once done): it wakes itself
     assert engine.read()["outputs"] == expected
-    copies = [c for c in system.calls(daemon.pid) if c.name in ("cuMemcpyDtoH", "cuMemcpyHtoD")]
-    assert {c.name for c in copies} == {"cuMemcpyDtoH", "cuMemcpyHtoD"}, "no warm sleep and wake happened"
+    copies = [c for c in system.calls(daemon.pid) if c.name in ("cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync")]
+    assert {c.name for c in copies} == {"cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync"}, "no warm sleep and wake happened"
     assert all("pinned=1" in c.detail for c in copies)
     engine.close()
     assert system.failed_calls() == [], "a driver call failed"

@@ -159,3 +159,46 @@ def test_the_pool_file_cannot_be_resized(host: HostBackend) -> None:
         os.ftruncate(host.pool_fd, 0)
     with pytest.raises(OSError):
         os.ftruncate(host.pool_fd, (host.num_pages + 1) * PAGE_BYTES)
+
+
+def written_pages(host: HostBackend, page_ids: list[int], seed: int) -> tuple[list, torch.Tensor]:
+    """Create ``page_ids``, fill them with random bytes through a mapping; the pages and the bytes."""
+    pages = [host.create_page(i) for i in page_ids]
+    base = host.reserve(len(pages) * PAGE_BYTES)
+    for i, page in enumerate(pages):
+        host.map_page(base + i * PAGE_BYTES, page)
+    data = torch.randint(0, 256, (len(pages) * PAGE_BYTES,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(seed))
+    host.tensor(base, len(pages) * PAGE_BYTES, torch.uint8).copy_(data)
+    host.unmap(base, len(pages) * PAGE_BYTES)
+    host.free_range(base)
+    return pages, data
+
+
+@pytest.mark.parametrize("page_ids", [[0, 1, 2, 3], [5, 2, 7, 3, 4]], ids=["one-run", "scattered"])
+def test_bulk_copies_move_pages_through_a_host_buffer_in_order(host: HostBackend, page_ids: list[int]) -> None:
+    pages, data = written_pages(host, page_ids, seed=len(page_ids))
+    buffer = bytearray(len(pages) * PAGE_BYTES)
+    host.copy_out_pages(pages, memoryview(buffer))
+    assert torch.equal(torch.frombuffer(buffer, dtype=torch.uint8), data), "page i lands at i * page size"
+    for page in pages:
+        host.release_page(page)
+    fresh = [host.create_page(i) for i in reversed(page_ids)]
+    host.copy_in_pages(fresh[::-1], memoryview(buffer))
+    back = bytearray(len(pages) * PAGE_BYTES)
+    host.copy_out_pages(fresh[::-1], memoryview(back))
+    assert back == buffer
+
+
+def test_bulk_copies_refuse_a_wrong_buffer_and_pages_made_elsewhere(host: HostBackend) -> None:
+    pages, _ = written_pages(host, [0, 1], seed=3)
+    with pytest.raises(BackendError, match="buffer of"):
+        host.copy_out_pages(pages, memoryview(bytearray(PAGE_BYTES)))
+    importer = HostBackend()
+    importer.start()
+    try:
+        imported = importer.import_page(host.export_page(pages[0]), 0)
+        with pytest.raises(BackendError, match="not created here"):
+            host.copy_in_pages([imported], memoryview(bytearray(PAGE_BYTES)))
+    finally:
+        importer.close()

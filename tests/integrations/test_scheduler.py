@@ -114,3 +114,21 @@ def test_bad_limits_are_refused() -> None:
     for budget, seqs in ((0, 1), (1, 0), (True, 1), (1.5, 1)):
         with pytest.raises(BadRequest):
             Scheduler(BlockManager(pool), budget, seqs)  # type: ignore[arg-type]
+
+
+def test_blocks_needed_next_covers_what_the_next_step_takes() -> None:
+    scheduler, pool = make(4096, budget=24, max_seqs=6)
+    rng = random.Random(3)
+    for i in range(12):
+        scheduler.add(request(i, rng.randint(1, 30), rng.randint(1, 12), seed=3))
+    assert scheduler.blocks_needed_next() > 0
+    while scheduler.has_work:
+        needed = scheduler.blocks_needed_next()
+        before = pool.num_used_blocks
+        batch = scheduler.schedule()  # memory is ample: it only allocates
+        assert pool.num_used_blocks - before <= needed
+        sampled = sum(1 for r, n in batch.items if r.num_computed + n == r.num_tokens)
+        scheduler.complete(batch, [1] * sampled, 1.0)
+    assert scheduler.blocks_needed_next() == 0, "nothing left to run needs nothing"
+    scheduler.add(request(99, 1, 1))
+    assert scheduler.blocks_needed_next() == 24 // 4, "a request waiting: a whole budget ahead"

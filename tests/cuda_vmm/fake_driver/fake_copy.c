@@ -6,7 +6,9 @@
  * range is registered once and unregistered by its base. Copies log whether
  * their host side was registered ("pinned=1"), so a test can check that the
  * daemon's swap copies use page-locked buffers. Work is synchronous, so
- * cuCtxSynchronize has nothing to wait for.
+ * cuCtxSynchronize and cuStreamSynchronize have nothing to wait for; a stream
+ * is a live handle until destroyed (NULL is the default stream), and an async
+ * copy on a dead stream is CUDA_ERROR_INVALID_HANDLE.
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
@@ -124,5 +126,75 @@ CUresult cuMemsetD32(CUdeviceptr device, unsigned int value, size_t count)
     for (size_t i = 0; r == CUDA_SUCCESS && i < count; i++)
         words[i] = value;
     fake_log("cuMemsetD32", r, "dst=%#llx words=%zu value=%u", device, count, value);
+    return r;
+}
+
+struct fake_stream { unsigned magic; };
+#define FAKE_STREAM_MAGIC 0x5354524du
+
+static int live_stream(CUstream stream)
+{
+    return stream == NULL || stream->magic == FAKE_STREAM_MAGIC;
+}
+
+CUresult cuStreamCreate(CUstream *stream, unsigned int flags)
+{
+    CUresult r = fake_need_context();
+    if (r == CUDA_SUCCESS && stream == NULL)
+        r = CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS) {
+        struct fake_stream *made = malloc(sizeof *made);
+        if (made == NULL)
+            r = CUDA_ERROR_OUT_OF_MEMORY;
+        else
+            made->magic = FAKE_STREAM_MAGIC, *stream = made;
+    }
+    fake_log("cuStreamCreate", r, "flags=%u", flags);
+    return r;
+}
+
+CUresult cuStreamDestroy(CUstream stream)
+{
+    CUresult r = fake_need_context();
+    if (r == CUDA_SUCCESS && (stream == NULL || !live_stream(stream)))
+        r = CUDA_ERROR_INVALID_HANDLE;
+    if (r == CUDA_SUCCESS)
+        stream->magic = 0; /* kept, so a later use reads as dead rather than freed memory */
+    fake_log("cuStreamDestroy", r, "stream=%p", (void *)stream);
+    return r;
+}
+
+CUresult cuStreamSynchronize(CUstream stream)
+{
+    CUresult r = fake_need_context();
+    if (r == CUDA_SUCCESS && !live_stream(stream))
+        r = CUDA_ERROR_INVALID_HANDLE;
+    fake_log("cuStreamSynchronize", r, "stream=%p", (void *)stream);
+    return r;
+}
+
+CUresult cuMemcpyDtoHAsync(void *host, CUdeviceptr device, size_t size, CUstream stream)
+{
+    CUresult r = fake_need_context();
+    if (r == CUDA_SUCCESS && !live_stream(stream))
+        r = CUDA_ERROR_INVALID_HANDLE;
+    if (r == CUDA_SUCCESS && !fake_range_has_access(device, size, 0))
+        r = CUDA_ERROR_ILLEGAL_ADDRESS;
+    if (r == CUDA_SUCCESS)
+        memcpy(host, (const void *)(uintptr_t)device, size);
+    fake_log("cuMemcpyDtoHAsync", r, "src=%#llx size=%zu pinned=%d", device, size, registered(host, size));
+    return r;
+}
+
+CUresult cuMemcpyHtoDAsync(CUdeviceptr device, const void *host, size_t size, CUstream stream)
+{
+    CUresult r = fake_need_context();
+    if (r == CUDA_SUCCESS && !live_stream(stream))
+        r = CUDA_ERROR_INVALID_HANDLE;
+    if (r == CUDA_SUCCESS && !fake_range_has_access(device, size, 1))
+        r = CUDA_ERROR_ILLEGAL_ADDRESS;
+    if (r == CUDA_SUCCESS)
+        memcpy((void *)(uintptr_t)device, host, size);
+    fake_log("cuMemcpyHtoDAsync", r, "dst=%#llx size=%zu pinned=%d", device, size, registered(host, size));
     return r;
 }

@@ -219,6 +219,11 @@ CUresult cuMemcpyDtoH(void *, CUdeviceptr, size_t);
 CUresult cuMemcpyHtoD(CUdeviceptr, const void *, size_t);
 CUresult cuMemsetD8(CUdeviceptr, unsigned char, size_t);
 CUresult cuMemsetD32(CUdeviceptr, unsigned int, size_t);
+CUresult cuStreamCreate(CUstream *, unsigned int);
+CUresult cuStreamDestroy(CUstream);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuMemcpyDtoHAsync(void *, CUdeviceptr, size_t, CUstream);
+CUresult cuMemcpyHtoDAsync(CUdeviceptr, const void *, size_t, CUstream);
 
 #define ENTRY(fn) {#fn, (void *)fn}
 static const struct { const char *name; void *fn; } symbols[] = {
@@ -230,7 +235,8 @@ static const struct { const char *name; void *fn; } symbols[] = {
     ENTRY(cuMemExportToShareableHandle), ENTRY(cuMemImportFromShareableHandle), ENTRY(cuMemMap),
     ENTRY(cuMemSetAccess), ENTRY(cuMemUnmap), ENTRY(cuMemGetInfo), ENTRY(cuPointerGetAttribute),
     ENTRY(cuMemHostRegister), ENTRY(cuMemHostUnregister), ENTRY(cuMemcpyDtoH), ENTRY(cuMemcpyHtoD),
-    ENTRY(cuMemsetD8), ENTRY(cuMemsetD32),
+    ENTRY(cuMemsetD8), ENTRY(cuMemsetD32), ENTRY(cuStreamCreate), ENTRY(cuStreamDestroy),
+    ENTRY(cuStreamSynchronize), ENTRY(cuMemcpyDtoHAsync), ENTRY(cuMemcpyHtoDAsync),
 };
 
 /* How cuda-bindings finds every driver function: by base name, whatever the version asked. */

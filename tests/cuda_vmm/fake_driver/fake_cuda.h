@@ -24,6 +24,7 @@ typedef int CUdevice;
 typedef void *CUcontext;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct fake_stream *CUstream;  /* NULL: the default stream */
 
 enum {
     CUDA_SUCCESS = 0,

@@ -1,0 +1,102 @@
+"""The fused CPU decode kernel (``cpu_decode``) against the explicit fp32 reference, and its limits.
+
+Batches are decode-only (one new token per sequence) from ``test_attention.make_batch``:
+NaN-poisoned caches at shuffled block ids, so a read outside a sequence's blocks
+shows. Skipped where no C compiler builds the kernel (the torch path then runs,
+and ``test_attention`` covers it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvdaemon.client import cpu_decode
+from kvdaemon.client.attention import paged_attention
+from kvdaemon.errors import BadRequest
+
+from .test_attention import TOLERANCE, make_batch
+from .test_attention_window import reference
+
+DECODE = [(37, 1), (16, 1), (1, 1), (64, 1), (70, 1), (200, 1), (17, 1)]
+needs_kernel = pytest.mark.skipif(cpu_decode._library() is None, reason="no C compiler built the kernel")
+
+
+@pytest.fixture
+def kernel_off() -> Iterator[None]:
+    cpu_decode.enabled = False
+    try:
+        yield
+    finally:
+        cpu_decode.enabled = True
+
+
+def run(batch: object, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    return paged_attention(*batch.args(), sliding_window=window, softcap=softcap)  # type: ignore[attr-defined]
+
+
+def check(batch: object, window: int | None = None, softcap: float | None = None) -> None:
+    assert cpu_decode.usable(batch.query, batch.k_cache, batch.v_cache)  # type: ignore[attr-defined]
+    tol = TOLERANCE[batch.query.dtype]  # type: ignore[attr-defined]
+    expected = reference(batch, window, softcap)  # type: ignore[arg-type]
+    torch.testing.assert_close(run(batch, window, softcap).float(), expected, atol=tol, rtol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_matches_the_reference(dtype: torch.dtype, head_dim: int, group: int) -> None:
+    batch = make_batch(DECODE, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, dtype=dtype, seed=group)
+    check(batch)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [1, 7, 16, 32])
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 40])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_windows_softcaps_and_block_sizes(block_size: int, window: int | None, softcap: float | None) -> None:
+    batch = make_batch(DECODE, block_size=block_size, num_heads=8, num_kv_heads=2, head_dim=32, seed=block_size)
+    check(batch, window, softcap)
+
+
+@needs_kernel
+def test_strided_caches_read_in_place() -> None:
+    """K and V as views of one joint tensor (vLLM's layout): strides, not copies."""
+    batch = make_batch(DECODE, num_heads=8, num_kv_heads=2, head_dim=64, index_dtype=torch.int64)
+    joint = torch.stack([batch.k_cache, batch.v_cache], dim=1)  # [blocks, 2, block, heads, dim]
+    batch.k_cache, batch.v_cache = joint[:, 0], joint[:, 1]
+    assert not batch.k_cache.is_contiguous()
+    check(batch)
+
+
+@needs_kernel
+def test_the_kernel_and_the_gather_path_agree_on_a_mixed_batch(kernel_off: None) -> None:
+    batch = make_batch(DECODE + [(40, 9), (12, 12)], num_heads=8, num_kv_heads=2, head_dim=32)
+    gathered = run(batch)
+    cpu_decode.enabled = True
+    torch.testing.assert_close(run(batch), gathered, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+def test_a_block_id_outside_the_cache_is_refused() -> None:
+    batch = make_batch(DECODE, num_heads=4, num_kv_heads=2, head_dim=32)
+    batch.block_tables[3, 2] = batch.k_cache.shape[0]  # inside sequence 3's 64 tokens
+    with pytest.raises(BadRequest, match="outside"):
+        run(batch)
+
+
+def test_what_the_kernel_does_not_take_goes_the_torch_way() -> None:
+    odd_dim = make_batch(DECODE, num_heads=4, num_kv_heads=2, head_dim=24)
+    assert not cpu_decode.usable(odd_dim.query, odd_dim.k_cache, odd_dim.v_cache)
+    check_reference = reference(odd_dim, None, None)
+    torch.testing.assert_close(run(odd_dim).float(), check_reference, atol=2e-5, rtol=2e-5)
+    double = make_batch(DECODE, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float64)
+    assert not cpu_decode.usable(double.query, double.k_cache, double.v_cache)
+
+
+def test_switched_off_it_is_not_used(kernel_off: None) -> None:
+    batch = make_batch(DECODE, num_heads=4, num_kv_heads=2, head_dim=32)
+    assert not cpu_decode.usable(batch.query, batch.k_cache, batch.v_cache)

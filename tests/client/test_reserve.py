@@ -1,0 +1,108 @@
+"""``keep_free``: the agent maps the engine's next needs ahead, and neither returns nor yields them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvdaemon.client import KVClient, KVSpec, PoolExhausted
+from kvdaemon.errors import BadRequest
+
+from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
+BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes
+LOGICAL = SPEC.num_segments * PAGE_BYTES  # the 64 MiB daemon holds 8 logical pages
+
+
+@pytest.fixture
+def kvd() -> Iterator[RunningDaemon]:
+    with running_daemon("64MiB", reclaim_escalate_s=5.0) as running:
+        yield running
+
+
+def mapped(client: KVClient, name: str) -> int:
+    return next(t["mapped_bytes"] for t in client.status()["tenants"] if t["name"] == name)
+
+
+def test_the_agent_maps_the_reserve_ahead_and_alloc_needs_no_grow(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    pool.keep_free(3 * BLOCKS_PER_PAGE)
+    wait_until(lambda: pool.num_free_blocks >= 3 * BLOCKS_PER_PAGE, 10, "the reserve was never mapped")
+    lease, asked = pool.lease, []
+    grow = lease.grow
+    lease.grow = lambda *args, **kwargs: asked.append(args) or grow(*args, **kwargs)  # type: ignore[method-assign]
+    blocks = pool.alloc(3 * BLOCKS_PER_PAGE)
+    assert asked == [], "the engine's alloc waited on a grow"
+    assert mapped(client, "a") == 3 * LOGICAL
+    pool.free(blocks)
+    pool.keep_free(0)  # idle again: spare pages past page 0 go back at the next tick
+    wait_until(lambda: mapped(client, "a") == LOGICAL, 10, "spare pages were kept without a reserve")
+    pool.close()
+
+
+def test_spare_pages_inside_the_reserve_stay_at_the_tick(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    pool.keep_free(2 * BLOCKS_PER_PAGE)
+    pool.free(pool.alloc(4 * BLOCKS_PER_PAGE))  # four spare pages; two are the reserve
+    wait_until(lambda: mapped(client, "a") == 2 * LOGICAL, 10, "the pages past the reserve stayed")
+    assert pool.num_free_blocks >= 2 * BLOCKS_PER_PAGE
+    pool.close()
+
+
+def test_a_reclaim_never_takes_the_reserve(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    busy = client.register("busy", SPEC, num_spare_pages=8, num_prefetch_pages=0)
+    busy.keep_free(3 * BLOCKS_PER_PAGE)
+    busy.free(busy.alloc(6 * BLOCKS_PER_PAGE))  # six spare pages, three of them its reserve
+    other = client.register("other", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    other.grow_wait_s = 2.0
+    held = other.alloc(2 * BLOCKS_PER_PAGE)  # 2 free: fits without reclaim
+    wait_until(lambda: mapped(client, "busy") == 6 * LOGICAL, 5)
+    held += other.alloc(3 * BLOCKS_PER_PAGE)  # needs three of busy's six: its spare past the reserve
+    assert mapped(client, "busy") == 3 * LOGICAL and busy.num_free_blocks >= 3 * BLOCKS_PER_PAGE
+    kvd.check_invariants()
+    other.free(held)
+    other.close()
+    busy.close()
+
+
+@pytest.mark.parametrize("count", [-1, 1.5, None])
+def test_a_bad_reserve_is_refused(kvd: RunningDaemon, count: object) -> None:
+    pool = kvd.client().register("a", SPEC)
+    with pytest.raises(BadRequest):
+        pool.keep_free(count)  # type: ignore[arg-type]
+    pool.close()
+
+
+def test_a_full_daemon_is_not_asked_again_at_once_while_the_agent_probes(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    hog = client.register("hog", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    held = hog.alloc(7 * BLOCKS_PER_PAGE)  # one logical page left
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
+    pool.keep_free(2 * BLOCKS_PER_PAGE)  # an engine's reserve: more than the daemon has
+    lease, asked = pool.lease, []
+    grow = lease.grow
+
+    def counted(*args: object, **kwargs: object) -> object:
+        if threading.current_thread() is threading.main_thread():  # the engine's, not the agent's
+            asked.append(args)
+        return grow(*args, **kwargs)
+
+    lease.grow = counted  # type: ignore[method-assign]
+    with pytest.raises(PoolExhausted):
+        pool.alloc(3 * BLOCKS_PER_PAGE)
+    before = len(asked)
+    with pytest.raises(PoolExhausted, match="just now"):
+        pool.alloc(3 * BLOCKS_PER_PAGE)
+    assert len(asked) == before, "the engine asked a full daemon again at once"
+    hog.free(held)  # memory comes back: the agent's probe maps the reserve
+    wait_until(lambda: pool.num_free_blocks >= 2 * BLOCKS_PER_PAGE, 10, "the agent never probed again")
+    assert len(pool.alloc(2 * BLOCKS_PER_PAGE)) == 2 * BLOCKS_PER_PAGE
+    pool.close()
+    hog.close()
