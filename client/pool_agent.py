@@ -96,10 +96,10 @@ class PoolAgent:
                 self._guarded(self._housekeep)
 
     def _wait_s(self) -> float:
-        """Until the next heartbeat, or the next grow-ahead try when one is due sooner."""
-        if not self._probe_at:
-            return HEARTBEAT_S
-        return min(HEARTBEAT_S, max(0.0, self._probe_at - time.monotonic()))
+        """Until the next heartbeat, or the next grow-ahead try when one is due sooner (one
+        overdue was not made: the pool is not active, and the agent waits a heartbeat)."""
+        due_s = self._probe_at - time.monotonic()
+        return due_s if 0.0 < due_s < HEARTBEAT_S else HEARTBEAT_S
 
     def _guarded(self, step: Callable[..., None], *args: object) -> None:
         try:

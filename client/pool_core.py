@@ -186,9 +186,11 @@ class PoolCore:
 
     def num_returnable(self, spare: list[int]) -> int:
         """How many of ``spare`` (spare pages) may go without leaving fewer than
-        ``reserve_blocks`` free blocks."""
+        ``reserve_blocks`` free blocks; those past a known limit may go whatever the reserve
+        (the daemon asks them back: the pool returns what it is asked, no more)."""
         extra = self.allocator.num_free - self.reserve_blocks
-        return max(0, min(len(spare), extra // self.allocator.blocks_per_page))
+        allowed = max(extra // self.allocator.blocks_per_page, self.pages_over_limit())  # a limit binds
+        return max(0, min(len(spare), allowed))
 
     def pages_over_limit(self) -> int:
         """Logical pages mapped past the known limit (0 when within it or unknown)."""
@@ -246,7 +248,6 @@ class PoolCore:
             spare = [0]  # a limit under one logical page: even the pinned page goes, being the last
         owed = min(len(spare), self.owed_pages)
         num = min(max(len(spare) - max(0, self.num_spare_pages - pinned), owed), self.num_returnable(spare))
-        num = max(num, min(len(spare), self.pages_over_limit()))  # a limit binds whatever the reserve
         if num <= 0:
             return 0
         self.owed_pages -= min(owed, num)

@@ -26,10 +26,11 @@ A grow with ``wait_s == 0`` is never parked: the victims are asked (step 1) so
 that pages come back for a later grow, and the grow fails at once with
 ``NO_MEMORY``. A grow that no reclaim could serve (the others hold nothing
 above their guarantees) fails at once. A tenant whose own grow found
-too few pages free in the last ``STARVED_S`` is nobody's victim (it is short
-itself: asking it would only move memory between busy tenants, as under a
-steady overload, where every tenant keeps what it has, like a static split).
-Nothing here takes a page from a
+too few pages free in the last ``STARVED_S`` is short itself: it is asked only
+for what it holds past its weighted share of the device (asking more would
+only move memory between busy tenants; under a steady overload every tenant
+keeps its share, like a static split, and a tenant that grows all the time
+cannot keep more than its share by it). Nothing here takes a page from a
 tenant: tenants give pages back themselves, or sleep. Logical page 0 of a
 tenant is never counted as reclaimable (pools keep it mapped).
 
@@ -54,7 +55,7 @@ from kvdaemon.wire.messages import ReclaimNotice
 log = logging.getLogger("kvdaemon.reclaim")
 LOW_WATER = 0.1  # the fraction of the pages the daemon keeps free by asking idle memory back
 ASK_AHEAD_S = 0.25  # at most one such ask per this interval
-STARVED_S = 1.0  # a tenant refused pages this recently is asked for none
+STARVED_S = 1.0  # a tenant refused pages this recently keeps its share
 
 
 @dataclass
@@ -137,13 +138,18 @@ class Reclaimer:
             self.num_asks_ahead += 1
 
     def _victims(self, requester: Tenant | None, now: float) -> list[tuple[Tenant, int]]:
-        """Other active tenants with pages above ``min_bytes``, not short themselves
-        (``STARVED_S``): (tenant, pages above), best first."""
-        found = [
-            (t, t.reclaimable_pages) for t in self.tenants
-            if t is not requester and t.state is TenantState.ACTIVE and t.leased
-            and t.reclaimable_pages and now - t.starved_at >= STARVED_S
-        ]  # fmt: skip
+        """Other active tenants with pages above ``min_bytes`` (a tenant short itself,
+        ``STARVED_S``: only those past its weighted share): (tenant, pages), best first."""
+        active = [t for t in self.tenants if t.state is TenantState.ACTIVE and t.leased]
+        total_weight = sum(t.weight for t in active) or 1.0
+        found = []
+        for t in active:
+            pages = t.reclaimable_pages
+            if now - t.starved_at < STARVED_S:  # short itself: only what it holds past its share
+                share = int(self.pages.num_pages * t.weight / total_weight)
+                pages = min(pages, max(0, len(t.logical) * t.spec.num_segments - share))
+            if t is not requester and pages:
+                found.append((t, pages))
         found.sort(key=lambda item: item[1] / item[0].weight, reverse=True)
         return found
 

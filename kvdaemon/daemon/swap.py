@@ -80,12 +80,9 @@ class WarmCopy:
 
     logical_pages: list[int]
     num_segments: int
-    buffer: mmap.mmap
+    buffer: mmap.mmap  # at least one OS page, even for a tenant with no pages
     cache: BufferCache
-
-    @property
-    def host_bytes(self) -> int:
-        return len(self.buffer)
+    host_bytes: int  # the bytes saved (0 for a tenant with no pages)
 
     def discard(self) -> None:
         self.cache.give(self.buffer)
@@ -98,16 +95,17 @@ def save(
     page_bytes = backend.page_size_bytes
     order = sorted(logical)
     pages = [page for lp in order for page in logical[lp]]
-    buffer = cache.take(max(mmap.PAGESIZE, len(pages) * page_bytes))
+    num_bytes = len(pages) * page_bytes
+    buffer = cache.take(max(mmap.PAGESIZE, num_bytes))
     view = memoryview(buffer)
     try:
-        backend.copy_out_pages(pages, view[: len(pages) * page_bytes])
+        backend.copy_out_pages(pages, view[:num_bytes])
     except BaseException:
         view.release()
         cache.give(buffer)
         raise
     view.release()
-    return WarmCopy(order, num_segments, buffer, cache)
+    return WarmCopy(order, num_segments, buffer, cache, num_bytes)
 
 
 def restore(backend: Backend, copy: WarmCopy, logical: dict[int, list[PhysicalPage]]) -> None:

@@ -302,12 +302,17 @@ def test_a_request_to_a_daemon_that_dies_ends_at_once_not_at_its_timeout(
     with KVClient(root) as owner, KVClient(root) as admin:
         pool = owner.register("a", SPEC, num_prefetch_pages=0)
         pool.alloc(1)
-        slow_step = threading.Event()
-        pool.quiesce_hook = slow_step.wait  # the engine never gets between steps
+        slow_step, asked = threading.Event(), threading.Event()
+
+        def never_between_steps() -> None:  # the daemon's sleep has reached the pool
+            asked.set()
+            slow_step.wait()
+
+        pool.quiesce_hook = never_between_steps
         outcome: list[BaseException | dict[str, Any]] = []
         asking = threading.Thread(target=lambda: outcome.append(_call(lambda: admin.sleep("a", timeout_s=120))))
         asking.start()
-        wait_until(lambda: row(owner, "a")["state"] == "active" and asking.is_alive(), 5)
+        assert asked.wait(10), "the sleep never reached the pool"
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
         daemons()
@@ -323,3 +328,35 @@ def _call(fn: Callable[[], Any]) -> BaseException | Any:
         return fn()
     except BaseException as exc:  # noqa: BLE001 - handed to the test thread to assert on
         return exc
+
+
+def test_a_pool_whose_daemon_died_after_refusing_it_does_not_spin(
+    root: Path, daemons: Callable[[], subprocess.Popen[bytes]]
+) -> None:
+    """An agent backing off a full daemon, then detached, used to retry re-registering
+    without a pause (its next grow-ahead try was overdue, so it never waited)."""
+    first = daemons()
+    with KVClient(root) as client:
+        hog = client.register("hog", SPEC, num_prefetch_pages=0, grow_wait_s=0.0)
+        with pytest.raises(PoolExhausted):
+            while True:
+                hog.alloc(BLOCKS_PER_PAGE)  # the whole device
+        pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
+        pool.keep_free(2 * BLOCKS_PER_PAGE)  # refused: the agent backs off
+        wait_until(lambda: pool.agent._probe_at > 0, 5, "the agent never backed off")
+        attempts: list[float] = []
+        relink = pool.agent.relink
+        assert relink is not None
+
+        def counted() -> Any:
+            attempts.append(time.monotonic())
+            return relink()
+
+        pool.agent.relink = counted
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        wait_until(lambda: pool.state is PoolState.DETACHED, 10, "the pool never noticed")
+        time.sleep(2.0)  # a spinning agent tries hundreds of times here
+        assert len(attempts) <= 3, f"{len(attempts)} re-registration attempts in 2 s"
+        pool.close()
+        hog.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -70,6 +71,20 @@ def test_a_reclaim_never_takes_the_reserve(kvd: RunningDaemon) -> None:
     other.free(held)
     other.close()
     busy.close()
+
+
+def test_a_lowered_limit_binds_whatever_the_reserve_and_takes_no_more(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_spare_pages=8, num_prefetch_pages=0)
+    pool.keep_free(4 * BLOCKS_PER_PAGE)
+    held = pool.alloc(BLOCKS_PER_PAGE)
+    pool.free(pool.alloc(4 * BLOCKS_PER_PAGE))  # five pages mapped, four of them the reserve
+    client.set_limit("a", max_bytes=3 * LOGICAL)
+    wait_until(lambda: mapped(client, "a") == 3 * LOGICAL, 10, "the limit did not bind")
+    time.sleep(0.3)  # a page returned twice (for the limit and for the daemon's ask) would show now
+    assert mapped(client, "a") == pool.mapped_bytes == 3 * LOGICAL
+    pool.free(held)
+    pool.close()
 
 
 @pytest.mark.parametrize("count", [-1, 1.5, None])

@@ -86,6 +86,19 @@ def test_warm_sleep_keeps_every_byte_at_the_same_addresses(kvd: RunningDaemon) -
     pool.close()
 
 
+def test_a_warm_sleep_of_a_pool_with_no_pages_keeps_no_host_bytes(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC)
+    pool.quiesce_hook = lambda: None
+    assert client.sleep("a", "warm")["host_bytes"] == 0
+    assert row(client)["state"] == "sleeping-warm" and row(client)["host_bytes"] == 0
+    assert client.status()["host_bytes"] == 0
+    client.wake("a")
+    wait_awake(pool)
+    assert len(pool.alloc(2)) == 2
+    pool.close()
+
+
 def test_cold_sleep_wakes_to_an_empty_pool(kvd: RunningDaemon) -> None:
     client = kvd.client()
     pool = client.register("a", SPEC)

@@ -1,0 +1,63 @@
+"""A tenant short of pages itself keeps its weighted share from reclaim, and no more."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvdaemon.daemon.reclaim import STARVED_S
+
+from tests.kvdaemon.daemon.test_ask_ahead import reclaims
+from tests.kvdaemon.daemon.test_service import Harness
+
+
+@pytest.fixture
+def h() -> Iterator[Harness]:
+    harness = Harness()
+    yield harness
+    harness.backend.close()
+
+
+def refused_grow(h: Harness, name: str, token: str, logical_page: int) -> None:
+    code = h.error("grow", **h.auth(name, token, logical_pages=[logical_page], wait_s=0))
+    assert code == "NO_MEMORY"
+
+
+def tokens(h: Harness, sizes: dict[str, int]) -> tuple[dict[str, int], dict[str, str]]:
+    """Register tenants and grow each to ``sizes[name]`` logical pages: their ids and tokens."""
+    ids, toks = {}, {}
+    for name, num in sizes.items():
+        reg = h.register(name)
+        h.ok("grow", **h.auth(name, reg["token"], logical_pages=list(range(num))))
+        ids[name], toks[name] = reg["tenant_id"], reg["token"]
+    return ids, toks
+
+
+def test_a_short_tenant_within_its_share_is_not_asked(h: Harness) -> None:
+    ids, tok = tokens(h, {"a": 4, "b": 4})  # 8 physical pages each: both at their half
+    refused_grow(h, "a", tok["a"], 4)  # a is short itself
+    before = len(reclaims(h))
+    refused_grow(h, "b", tok["b"], 4)
+    assert [r for r in reclaims(h)[before:] if r[0] == ids["a"]] == [], "a keeps its share"
+    h.tick(STARVED_S)
+    before = len(reclaims(h))
+    refused_grow(h, "b", tok["b"], 5)
+    assert (ids["a"], 1) in reclaims(h)[before:], "a no longer short: asked again"
+
+
+def test_a_short_tenant_past_its_share_is_asked_for_the_excess(h: Harness) -> None:
+    ids, tok = tokens(h, {"a": 6, "b": 2})  # a: 12 of 16 physical pages, its share is 8
+    refused_grow(h, "a", tok["a"], 6)  # a is short itself, yet holds more than its share
+    before = len(reclaims(h))
+    refused_grow(h, "b", tok["b"], 2)
+    assert (ids["a"], 1) in reclaims(h)[before:], "growing all the time keeps no more than a share"
+
+
+def test_weights_set_the_share(h: Harness) -> None:
+    ids, tok = tokens(h, {"a": 6, "b": 2})
+    h.ok("set_limit", name="a", weight=3.0)  # a's share: 12 of 16 physical pages
+    refused_grow(h, "a", tok["a"], 6)
+    before = len(reclaims(h))
+    refused_grow(h, "b", tok["b"], 2)
+    assert [r for r in reclaims(h)[before:] if r[0] == ids["a"]] == []
