@@ -112,8 +112,8 @@ def print_seed(cls: str, seed: int, results: dict[str, Any], r: dict[str, float]
     s, e = results["static"]["overall"], results["elastic"]["overall"]
     met = verdicts(cls, r)
     print(f"{cls:<12}{seed:>5}{s['requests']:>6}{s['ttft_mean_s']:>9.3f}{e['ttft_mean_s']:>9.3f}"
-          f"{s['ttft_p99_s']:>9.3f}{e['ttft_p99_s']:>9.3f}{s['tokens_per_s']:>7.0f}{e['tokens_per_s']:>7.0f}"
-          f"{s['preemptions']:>5}{e['preemptions']:>5}  {r['ttft_mean']:5.2f}x {r['ttft_p99']:5.2f}x "
+          f"{s['ttft_p99_s']:>9.3f}{e['ttft_p99_s']:>9.3f}{s['tokens_per_s']:>9.0f}{e['tokens_per_s']:>9.0f}"
+          f"{s['preemptions']:>7}{e['preemptions']:>7}  {r['ttft_mean']:5.2f}x {r['ttft_p99']:5.2f}x "
           f"{r['throughput']:5.3f}x  {'PASS' if all(met.values()) else 'MISS ' + ','.join(k for k, v in met.items() if not v)}")
 
 
@@ -182,7 +182,7 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}; bursty traces of {shape.duration_s:.0f} s")
     rows: list[dict[str, Any]] = []
     header = (f"{'class':<12}{'seed':>5}{'reqs':>6}{'mean s':>9}{'mean e':>9}{'p99 s':>9}{'p99 e':>9}"
-              f"{'tok/s s':>7}{'tok/s e':>7}{'pre s':>5}{'pre e':>5}   mean    p99   tput")
+              f"{'tok/s s':>9}{'tok/s e':>9}{'pre s':>7}{'pre e':>7}   mean    p99   tput")
     print(header)
     for seed in seeds:
         done = run_seed(models, bursty_trace(shape, seed), capacity, opts.budget)

@@ -15,7 +15,7 @@ Then, on every wake-up (a notice, ``nudge()`` from ``free`` or ``keep_free``,
 or each ``HEARTBEAT_S``): adopts late grants, grows ahead to the engine's
 reserve (``PoolCore.grow_ahead``; refused while the daemon has nothing free,
 then tried again after ``GROW_RETRY_S``, by when other tenants were asked for
-pages, and each time twice as late up to ``HEARTBEAT_S``), returns excess spare pages, retries unconfirmed returns, and tells the
+pages, and each time twice as late up to ``GROW_RETRY_MAX_S``), returns excess spare pages, retries unconfirmed returns, and tells the
 daemon ``used_bytes`` and whether the pool can be quiesced when they changed. When the daemon is gone it keeps the pool
 serving from its mappings (``DETACHED``) and re-registers with the next daemon
 (``pool_reconnect``).
@@ -45,6 +45,7 @@ from kvdaemon.wire.messages import (
 log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
 GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon, then twice as late each time
+GROW_RETRY_MAX_S = 0.25  # ... up to this (the engine's own grows wait for the probe, ``REFUSED_S``)
 
 
 class PoolAgent:
@@ -169,7 +170,7 @@ class PoolAgent:
             self._retry_s, self._probe_at = GROW_RETRY_S, 0.0
         elif probe:  # refused: back off, whatever wakes the agent meanwhile (notices, keep_free)
             self._probe_at = time.monotonic() + self._retry_s
-            self._retry_s = min(HEARTBEAT_S, 2 * self._retry_s)
+            self._retry_s = min(GROW_RETRY_MAX_S, 2 * self._retry_s)
         report = (used, core.quiesce_hook is not None)
         active, core.active = core.active, False
         if report != self._reported or active:

@@ -51,7 +51,7 @@ from kvdaemon.errors import (
 )
 
 log = logging.getLogger("kvdaemon.client.pool")
-REFUSED_S = 1.0
+REFUSED_S = 0.25
 """After the daemon refused a grow for want of memory, a grow that may not wait of a pool
 with a reserve (an engine's: its agent probes for the reserve, backing off) is refused
 here, without a round trip, until a grow succeeds again or this long has passed."""
@@ -132,7 +132,8 @@ class PoolCore:
         ``wait_s``: how long the daemon may wait for other tenants' pages
         (default ``grow_wait_s``). A grow that may not wait, of a pool with a
         reserve, is refused here after a refusal of the daemon until a grow
-        succeeds again (the agent's ``probe``) or ``REFUSED_S`` passed. Raises ``DaemonUnreachable`` (``NoReply``
+        succeeds again (the agent's ``probe``, which takes whatever the daemon
+        has, at least one page, in one round trip) or ``REFUSED_S`` passed. Raises ``DaemonUnreachable`` (``NoReply``
         when the daemon holds its directory but is slow: the grow stays
         outstanding), ``Asleep``, ``PoolClosed``. Nothing is allocated here.
         """
@@ -159,7 +160,7 @@ class PoolCore:
             del candidates[headroom:]
             try:
                 with self.lock.open_gate():  # candidates stay unmapped: only lock holders map
-                    granted = self.lease.grow(candidates, wait, min_pages=needed)
+                    granted = self.lease.grow(candidates, wait, min_pages=1 if probe else needed)
             except NoMemory as exc:
                 self.refused_at = time.monotonic()
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
@@ -168,6 +169,8 @@ class PoolCore:
             self.map_grant(granted)
             self.owed_pages = 0  # the daemon granted more: it no longer wants pages back
             self.refused_at = float("-inf")
+            if probe:
+                return  # what the daemon had; the agent asks again when the engine needs more
 
     def grow_ahead(self) -> bool:
         """Map pages until ``reserve_blocks`` are free, if the daemon has them now (lock held).

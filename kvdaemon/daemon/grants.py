@@ -23,6 +23,7 @@ from typing import Any
 from kvdaemon.cuda_vmm.backend import PhysicalPage
 from kvdaemon.daemon.device_pages import Owner, DevicePages
 from kvdaemon.daemon.ports import LeasePort, notify
+from kvdaemon.daemon.shares import Shares
 from kvdaemon.daemon.tenant import Tenant, TenantState
 from kvdaemon.errors import Asleep, BackendError, BadRequest, Conflict, NoMemory, OverLimit
 from kvdaemon.wire.handles import MAX_FDS_PER_FRAME
@@ -38,8 +39,10 @@ class Grants:
         leases: LeasePort,
         on_grant: Callable[[float, int], None] | None = None,
         on_shrink: Callable[[int], None] | None = None,
+        shares: Shares | None = None,
     ) -> None:
         self.pages = pages
+        self.shares = shares
         self.leases = leases
         self.on_grant = on_grant
         self.on_shrink = on_shrink
@@ -48,7 +51,7 @@ class Grants:
     def grow(self, tenant: Tenant, candidates: list[int], min_pages: int, now: float) -> dict[str, Any]:
         """Grant the first n of ``candidates``, ``min_pages <= n``, as many as fit; or raise."""
         started = time.perf_counter()
-        num_pages = self.num_grantable(tenant, candidates, min_pages)
+        num_pages = self.num_grantable(tenant, candidates, min_pages, now)
         result = self.grant(tenant, candidates[:num_pages], now)
         tenant.note_grown(num_pages)
         if self.on_grant is not None:
@@ -84,11 +87,12 @@ class Grants:
             "max_bytes": tenant.max_bytes,
         }
 
-    def num_grantable(self, tenant: Tenant, candidates: list[int], min_pages: int) -> int:
+    def num_grantable(self, tenant: Tenant, candidates: list[int], min_pages: int, now: float) -> int:
         """How many of ``candidates`` a grow may grant now, at least ``min_pages``; else raise.
 
         ``OverLimit`` when the tenant's limit allows fewer than ``min_pages``,
-        ``NoMemory`` when the free pages do; ``Asleep``/``Conflict``/``BadRequest``
+        ``NoMemory`` when the free pages do (less those held for short tenants
+        below their share, ``Shares.free_for``, past this tenant's own share); ``Asleep``/``Conflict``/``BadRequest``
         for a tenant that may not grow or pages it already holds.
         """
         if tenant.state is not TenantState.ACTIVE:
@@ -107,11 +111,15 @@ class Grants:
                 f"logical page(s) of {tenant.logical_page_bytes} would pass its limit of "
                 f"{tenant.max_bytes}"
             )
-        by_free = self.pages.num_free // tenant.spec.num_segments
+        num_free = self.pages.num_free
+        if self.shares is not None:
+            num_free = self.shares.free_for(tenant, num_free, now)
+        by_free = num_free // tenant.spec.num_segments
         if by_free < min_pages:
+            held = "" if num_free == self.pages.num_free else f" ({self.pages.num_free - num_free} held for tenants short below their share)"
             raise NoMemory(
                 f"{min_pages} logical page(s) need {min_pages * tenant.spec.num_segments} "
-                f"pages, {self.pages.num_free} free"
+                f"pages, {self.pages.num_free} free{held}"
             )
         return min(len(candidates), by_limit, by_free)
 

@@ -26,7 +26,7 @@ A grow with ``wait_s == 0`` is never parked: the victims are asked (step 1) so
 that pages come back for a later grow, and the grow fails at once with
 ``NO_MEMORY``. A grow that no reclaim could serve (the others hold nothing
 above their guarantees) fails at once. A tenant whose own grow found
-too few pages free in the last ``STARVED_S`` is short itself: it is asked only
+too few pages free in the last ``STARVED_S`` (``shares``) is short itself: it is asked only
 for what it holds past its weighted share of the device (asking more would
 only move memory between busy tenants; under a steady overload every tenant
 keeps its share, like a static split, and a tenant that grows all the time
@@ -47,6 +47,7 @@ from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.device_pages import DevicePages
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reply import PendingReply
+from kvdaemon.daemon.shares import Shares
 from kvdaemon.daemon.sleep import Sleeper
 from kvdaemon.daemon.tenant import Tenant, Tenants, TenantState
 from kvdaemon.errors import KVDaemonError, NoMemory, UnknownTenant
@@ -55,7 +56,6 @@ from kvdaemon.wire.messages import ReclaimNotice
 log = logging.getLogger("kvdaemon.reclaim")
 LOW_WATER = 0.1  # the fraction of the pages the daemon keeps free by asking idle memory back
 ASK_AHEAD_S = 0.25  # at most one such ask per this interval
-STARVED_S = 1.0  # a tenant refused pages this recently keeps its share
 
 
 @dataclass
@@ -75,10 +75,11 @@ class Reclaimer:
     """Parked grows and the reclaim steps that serve them (see the module docstring)."""
 
     def __init__(
-        self, tenants: Tenants, pages: DevicePages, grants: Grants, leases: LeasePort,
+        self, tenants: Tenants, shares: Shares, pages: DevicePages, grants: Grants, leases: LeasePort,
         sleeper: Sleeper, *, wait_s: float, escalate_s: float, sleep_victims: bool = True,
     ) -> None:
         self.tenants = tenants
+        self.shares = shares
         self.pages = pages
         self.grants = grants
         self.leases = leases
@@ -100,7 +101,7 @@ class Reclaimer:
 
         With ``wait_s == 0`` the victims are still asked, but nothing is parked.
         """
-        tenant.starved_at = now
+        tenant.starved_at, tenant.starved_pages = now, min_pages * tenant.spec.num_segments
         short = self._short(tenant, min_pages)
         victims = self._victims(tenant, now)
         if sum(pages for _, pages in victims) < short:
@@ -140,15 +141,15 @@ class Reclaimer:
     def _victims(self, requester: Tenant | None, now: float) -> list[tuple[Tenant, int]]:
         """Other active tenants with pages above ``min_bytes`` (a tenant short itself,
         ``STARVED_S``: only those past its weighted share): (tenant, pages), best first."""
-        active = [t for t in self.tenants if t.state is TenantState.ACTIVE and t.leased]
-        total_weight = sum(t.weight for t in active) or 1.0
         found = []
-        for t in active:
+        for t in self.tenants:
+            if t is requester or t.state is not TenantState.ACTIVE or not t.leased:
+                continue
             pages = t.reclaimable_pages
-            if now - t.starved_at < STARVED_S:  # short itself: only what it holds past its share
-                share = int(self.pages.num_pages * t.weight / total_weight)
-                pages = min(pages, max(0, len(t.logical) * t.spec.num_segments - share))
-            if t is not requester and pages:
+            past_share = self.shares.pages_past_share(t, now)  # a short tenant keeps its share
+            if past_share is not None:
+                pages = min(pages, past_share)
+            if pages:
                 found.append((t, pages))
         found.sort(key=lambda item: item[1] / item[0].weight, reverse=True)
         return found

@@ -42,6 +42,7 @@ from kvdaemon.daemon.policy_book import PolicyBook
 from kvdaemon.daemon.ports import LeasePort
 from kvdaemon.daemon.reclaim import Reclaimer
 from kvdaemon.daemon.reply import Call, PendingReply, ReplySink
+from kvdaemon.daemon.shares import Shares
 from kvdaemon.daemon.sleep import MAX_CACHED_BUFFER_BYTES, Sleeper
 from kvdaemon.daemon.tenant import Tenant, Tenants, WireSpec, check_name
 from kvdaemon.daemon.tenant_log import ActivityLog, log_registered, log_removed
@@ -82,10 +83,11 @@ class Service:
         self.tenants = Tenants()
         self.shutdown_requested = False
         self.started_at = clock()
-        self.grants = Grants(self.pages, leases, on_grant, on_shrink)
+        self.shares = Shares(self.tenants, self.pages.num_pages)
+        self.grants = Grants(self.pages, leases, on_grant, on_shrink, shares=self.shares)
         self.sleeper = Sleeper(self.tenants, self.grants, backend, leases, self.config.sleep_timeout_s)
         self.reclaimer = Reclaimer(
-            self.tenants, self.pages, self.grants, leases, self.sleeper,
+            self.tenants, self.shares, self.pages, self.grants, leases, self.sleeper,
             wait_s=self.config.reclaim_wait_s, escalate_s=self.config.reclaim_escalate_s,
             sleep_victims=self.config.reclaim_sleep,
         )

@@ -87,6 +87,19 @@ def test_a_lowered_limit_binds_whatever_the_reserve_and_takes_no_more(kvd: Runni
     pool.close()
 
 
+def test_the_agent_takes_what_the_daemon_has_toward_a_larger_reserve(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    hog = client.register("hog", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    held = hog.alloc(6 * BLOCKS_PER_PAGE)  # two logical pages left
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
+    pool.keep_free(4 * BLOCKS_PER_PAGE)
+    wait_until(lambda: pool.mapped_bytes == 2 * LOGICAL, 10, "the agent waited for the whole reserve")
+    assert len(pool.alloc(2 * BLOCKS_PER_PAGE)) == 2 * BLOCKS_PER_PAGE  # no grow needed
+    hog.free(held)
+    hog.close()
+    pool.close()
+
+
 @pytest.mark.parametrize("count", [-1, 1.5, None])
 def test_a_bad_reserve_is_refused(kvd: RunningDaemon, count: object) -> None:
     pool = kvd.client().register("a", SPEC)
@@ -98,7 +111,7 @@ def test_a_bad_reserve_is_refused(kvd: RunningDaemon, count: object) -> None:
 def test_a_full_daemon_is_not_asked_again_at_once_while_the_agent_probes(kvd: RunningDaemon) -> None:
     client = kvd.client()
     hog = client.register("hog", SPEC, num_spare_pages=0, num_prefetch_pages=0)
-    held = hog.alloc(7 * BLOCKS_PER_PAGE)  # one logical page left
+    held = hog.alloc(8 * BLOCKS_PER_PAGE)  # the whole device
     pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
     pool.keep_free(2 * BLOCKS_PER_PAGE)  # an engine's reserve: more than the daemon has
     lease, asked = pool.lease, []

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvdaemon.daemon.reclaim import STARVED_S
+from kvdaemon.daemon.shares import STARVED_S
 
 from tests.kvdaemon.daemon.test_ask_ahead import reclaims
 from tests.kvdaemon.daemon.test_service import Harness
@@ -61,3 +61,24 @@ def test_weights_set_the_share(h: Harness) -> None:
     before = len(reclaims(h))
     refused_grow(h, "b", tok["b"], 2)
     assert [r for r in reclaims(h)[before:] if r[0] == ids["a"]] == []
+
+
+def test_free_pages_are_held_for_a_short_tenant_below_its_share(h: Harness) -> None:
+    _, tok = tokens(h, {"a": 6, "b": 1})  # a: 12 physical pages (share 8), b: 2; 2 free
+    code = h.error("grow", **h.auth("b", tok["b"], logical_pages=[1, 2, 3], wait_s=0))
+    assert code == "NO_MEMORY"  # b is short: it needs 6, 2 are free
+    assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[6], wait_s=0)) == "NO_MEMORY", \
+        "a, past its share, took the pages b is owed"
+    h.ok("grow", **h.auth("b", tok["b"], logical_pages=[1], wait_s=0))  # b, within its share, gets them
+    h.ok("shrink", **h.auth("b", tok["b"], logical_pages=[1]))
+    h.tick(STARVED_S)
+    h.ok("grow", **h.auth("a", tok["a"], logical_pages=[6], wait_s=0))  # nobody short any more
+
+
+def test_a_tenant_within_its_share_is_never_refused_for_another(h: Harness) -> None:
+    _, tok = tokens(h, {"a": 2, "b": 2})  # 4 physical pages each (shares of 8); 8 free
+    code = h.error("grow", **h.auth("b", tok["b"], logical_pages=[2, 3, 4, 5, 6], wait_s=0))
+    assert code == "NO_MEMORY"  # b is short: 10 pages for 8 free, 4 of them owed to it
+    h.ok("grow", **h.auth("a", tok["a"], logical_pages=[2, 3], wait_s=0))  # up to a's own share
+    assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[4], wait_s=0)) == "NO_MEMORY"
+    h.ok("grow", **h.auth("b", tok["b"], logical_pages=[2, 3], wait_s=0))
