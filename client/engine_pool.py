@@ -57,7 +57,8 @@ class EnginePool(BlockSource, Protocol):
         """The engine ran a step over the pool: it is busy, whatever its blocks do."""
         ...
 
-    def keep_free(self, num_blocks: int) -> None:
+    def keep_free(self, num_blocks: int, num_spare_blocks: int = 0) -> None:
         """A hint: the engine's next steps will take about ``num_blocks`` blocks (a pool may
-        map them ahead and keep them from others; a fixed pool ignores it)."""
+        map them ahead and keep them from others), and up to ``num_spare_blocks`` spare ones
+        may stay mapped until someone else needs them; a fixed pool ignores it."""
         ...

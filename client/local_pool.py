@@ -99,7 +99,7 @@ class LocalPool:
         for cache in self._caches:
             cache.index_copy_(0, index_dst, cache.index_select(0, index_src))
 
-    def keep_free(self, num_blocks: int) -> None:
+    def keep_free(self, num_blocks: int, num_spare_blocks: int = 0) -> None:
         """Nothing to do: every block is allocated up front."""
 
     def wake(self) -> None:

@@ -295,18 +295,23 @@ class KVPool:
                 core.grow_for(num_blocks)
             return core.allocator.alloc(num_blocks)
 
-    def keep_free(self, num_blocks: int) -> None:
+    def keep_free(self, num_blocks: int, num_spare_blocks: int = 0) -> None:
         """Keep about ``num_blocks`` blocks free and mapped for the engine's next steps.
 
         The agent maps pages ahead in the background when fewer are free (so
         ``alloc`` finds them without a round trip), and returns no spare page,
         also on a reclaim, that would leave fewer free. A lowered limit still
-        binds. Never waits; ``0`` (the default) keeps nothing back.
+        binds. ``num_spare_blocks``: spare pages up to this many blocks are not
+        returned at the agent's tick either (more than ``num_spare_pages``), but
+        unlike the reserve a reclaim or the daemon's ask takes them and the agent
+        does not map them ahead (an idle engine keeps its last step's pages while
+        nobody needs them). Never waits; ``0`` (the default) keeps nothing back.
         """
-        if type(num_blocks) is not int or num_blocks < 0:
-            raise BadRequest(f"cannot keep {num_blocks!r} blocks free")
+        for count in (num_blocks, num_spare_blocks):
+            if type(count) is not int or count < 0:
+                raise BadRequest(f"cannot keep {count!r} blocks free")
         core = self.core
-        core.reserve_blocks = num_blocks
+        core.reserve_blocks, core.spare_blocks = num_blocks, num_spare_blocks
         if core.allocator.num_free < num_blocks:
             self.agent.nudge()
 

@@ -12,7 +12,7 @@ page move goes through here, under the lock:
 - ``grow_ahead``: the agent maps pages in the background until
   ``reserve_blocks`` blocks are free (the engine's ``keep_free``: what its
   next steps will take), so the engine's allocations find them mapped;
-- ``return_excess``: spare pages past ``num_spare_pages``, and pages owed after
+- ``return_excess``: spare pages past ``num_spare_pages`` (or ``spare_blocks``), and pages owed after
   a lowered limit or a reclaim, are unmapped and given back (the agent runs
   it, not the engine), never so many that fewer than ``reserve_blocks`` stay
   free (a reclaim never takes what the engine's next steps need; a limit
@@ -81,6 +81,7 @@ class PoolCore:
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
         self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed
         self.reserve_blocks = 0  # kept free and mapped for the engine's next steps (``keep_free``)
+        self.spare_blocks = 0  # spare kept past ``num_spare_pages`` until asked for (``keep_free``)
         self.refused_at = float("-inf")  # when the daemon last had no memory for a grow
         self.pending_return: set[int] = set()  # unmapped here, shrink not yet confirmed
         self.num_block_losses = 0  # times every block was dropped (cold sleep, empty restart)
@@ -240,7 +241,12 @@ class PoolCore:
     def has_excess(self) -> bool:
         """True when spare pages past the allowance (or owed ones) wait to be returned. O(1)."""
         spare = self.allocator.spare
-        return bool(self.owed_pages and spare) or len(spare) > max(self.num_spare_pages, 0 in spare)
+        return bool(self.owed_pages and spare) or len(spare) > max(self.spare_allowance(), 0 in spare)
+
+    def spare_allowance(self) -> int:
+        """Spare pages the agent's tick leaves mapped: ``num_spare_pages``, or more to hold
+        ``spare_blocks`` blocks."""
+        return max(self.num_spare_pages, -(-self.spare_blocks // self.allocator.blocks_per_page))
 
     def return_excess(self) -> int:
         """Give back spare pages past ``num_spare_pages`` (logical page 0, kept, counts
@@ -250,7 +256,7 @@ class PoolCore:
         if self.owed_pages and pinned and list(self.segments.pages) == [0]:
             spare = [0]  # a limit under one logical page: even the pinned page goes, being the last
         owed = min(len(spare), self.owed_pages)
-        num = min(max(len(spare) - max(0, self.num_spare_pages - pinned), owed), self.num_returnable(spare))
+        num = min(max(len(spare) - max(0, self.spare_allowance() - pinned), owed), self.num_returnable(spare))
         if num <= 0:
             return 0
         self.owed_pages -= min(owed, num)

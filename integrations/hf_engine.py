@@ -118,7 +118,7 @@ class Engine:
         self.last_num_scheduled_tokens = 0
         self._next_request_id = 0
         self._step_lock = StepGate()  # held by a step, and from quiesce to resume; quiesce first
-        self._reserve_blocks = 0  # what the pool was last told to keep free
+        self._reserve = (0, 0)  # what the pool was last told to keep free, and spare
         self._num_block_losses = pool.num_block_losses
         self._caches = (
             [pool.key_cache(i) for i in range(pool.spec.num_layers)],
@@ -217,10 +217,12 @@ class Engine:
             return finished
 
     def _keep_free(self, num_blocks: int) -> None:
-        """Tell the pool what the next step will take (it maps that ahead, in the background)."""
-        if num_blocks != self._reserve_blocks:
-            self._reserve_blocks = num_blocks
-            self.pool.keep_free(num_blocks)
+        """Tell the pool what the next step will take (it maps that ahead, in the background),
+        and that a budget's worth of spare pages may stay mapped while nobody needs them."""
+        spare = 0 if self._closed else -(-self.scheduler.max_num_batched_tokens // self.pool.block_size)
+        if (num_blocks, spare) != self._reserve:
+            self._reserve = (num_blocks, spare)
+            self.pool.keep_free(num_blocks, spare)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, stall_timeout_s: float = 30.0

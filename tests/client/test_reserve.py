@@ -100,11 +100,28 @@ def test_the_agent_takes_what_the_daemon_has_toward_a_larger_reserve(kvd: Runnin
     pool.close()
 
 
+def test_spare_blocks_stay_at_the_tick_but_a_reclaim_takes_them(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    pool.keep_free(0, 3 * BLOCKS_PER_PAGE)  # an idle engine: nothing reserved, three pages may stay
+    pool.free(pool.alloc(4 * BLOCKS_PER_PAGE))
+    # one tick returns every page past the allowance at once: all four, were it ignored
+    wait_until(lambda: mapped(client, "a") == 3 * LOGICAL, 10, "the tick returned the spare the engine keeps")
+    other = client.register("other", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=2.0)
+    held = other.alloc(7 * BLOCKS_PER_PAGE)  # five free: two more come from a's spare
+    assert mapped(client, "a") == LOGICAL
+    other.free(held)
+    other.close()
+    pool.close()
+
+
 @pytest.mark.parametrize("count", [-1, 1.5, None])
 def test_a_bad_reserve_is_refused(kvd: RunningDaemon, count: object) -> None:
     pool = kvd.client().register("a", SPEC)
     with pytest.raises(BadRequest):
         pool.keep_free(count)  # type: ignore[arg-type]
+    with pytest.raises(BadRequest):
+        pool.keep_free(0, count)  # type: ignore[arg-type]
     pool.close()
 
 
