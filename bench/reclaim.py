@@ -5,9 +5,10 @@ segments: 1 GiB is 16 logical pages) in this process:
 
 - from free pages: the pool is empty and the daemon has 1 GiB free;
 - by reclaim: an "idle" pool holds 1 GiB of spare pages (mapped, no live
-  blocks) and the daemon has nothing else free, so the busy grow waits while
-  the daemon asks the idle pool for pages, the idle pool's agent returns them,
-  and the parked grow is served.
+  blocks) and the daemon has only one logical page (64 MiB) else free, so the
+  busy grow waits while the daemon asks the idle pool for pages, the idle
+  pool's agent returns them (all but its logical page 0, which a pool keeps
+  while it lives), and the parked grow is served.
 
 Target: reclaim grow <= 2x the free-page grow.  Run: ``python bench/reclaim.py``.
 """
@@ -55,7 +56,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     free_s, reclaim_s = [], []
-    with daemon_process("1GiB") as client:
+    with daemon_process("1088MiB") as client:  # 1 GiB + the idle pool's pinned logical page
         for r in range(args.rounds):
             free_s.append(timed_grow(client, f"free-{r}"))
             idle = idle_with_spare(client)
