@@ -156,6 +156,9 @@ class KVPool:
 
     @resume_hook.setter
     def resume_hook(self, hook: Callable[[], None] | None) -> None:
+        """Run by the agent once a sleep is decided or a move is done. The pool may be asleep
+        when it runs: until it is awake no block's tensors may be touched (their pages are
+        unmapped; see client/README.md, Hooks)."""
         self.core.resume_hook = hook
 
     @property
@@ -277,7 +280,7 @@ class KVPool:
             return self._alloc_locked(num_blocks)
         try:
             allocator = self.core.allocator
-            if type(num_blocks) is int and 0 <= num_blocks <= allocator.num_free:
+            if type(num_blocks) is int and 0 < num_blocks <= allocator.num_free:  # 0: the slow path checks state
                 return allocator.alloc(num_blocks)
         finally:
             gate.append(True)
@@ -289,6 +292,8 @@ class KVPool:
             raise BadRequest(f"cannot allocate {num_blocks!r} blocks")
         core = self.core
         with core.lock:
+            if core.cell.ended:
+                raise PoolClosed(f"pool {self.name!r} is {core.state.value}")
             if num_blocks > core.allocator.num_free:
                 if core.state.asleep and self.auto_wake:
                     return self._alloc_after_wake(num_blocks)
@@ -305,12 +310,18 @@ class KVPool:
         returned at the agent's tick either (more than ``num_spare_pages``), but
         unlike the reserve a reclaim or the daemon's ask takes them and the agent
         does not map them ahead (an idle engine keeps its last step's pages while
-        nobody needs them). Never waits; ``0`` (the default) keeps nothing back.
+        nobody needs them). A reserve past the limit maps up to the limit. Counts
+        above ``num_blocks`` raise ``BadRequest`` (nothing changed). Never waits;
+        ``0`` (the default) keeps nothing back.
         """
-        for count in (num_blocks, num_spare_blocks):
-            if type(count) is not int or count < 0:
-                raise BadRequest(f"cannot keep {count!r} blocks free")
+        self._check_open()
         core = self.core
+        for count in (num_blocks, num_spare_blocks):
+            if type(count) is not int or not 0 <= count <= core.allocator.num_blocks:
+                raise BadRequest(
+                    f"cannot keep {count!r} blocks free: a count in [0, {core.allocator.num_blocks}] "
+                    "(the pool's virtual capacity) is needed"
+                )
         core.reserve_blocks, core.spare_blocks = num_blocks, num_spare_blocks
         if core.allocator.num_free < num_blocks:
             self.agent.nudge()
@@ -395,6 +406,7 @@ class KVPool:
         """Tell the daemon (at the agent's next heartbeat) that the engine is busy, so idle
         time (``kvdaemon wait --idle``, the idle policy) counts from its last step, not from
         its last block change. O(1), no lock, no round trip."""
+        self._check_open()
         self.core.active = True
 
     def wait_state(self, accept: Callable[[PoolState], bool], timeout_s: float) -> bool:

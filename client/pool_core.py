@@ -147,6 +147,10 @@ class PoolCore:
             needed = -(-(num_blocks - self.allocator.num_free) // self.allocator.blocks_per_page)
             skip = self.lease.in_flight | self.pending_return
             candidates = self.allocator.unmapped_pages(needed + self.num_prefetch_pages, skip)
+            if probe:  # ahead of need: what the limit and the virtual range allow, maybe nothing
+                needed = min(needed, len(candidates), self.headroom_pages())
+                if needed <= 0:
+                    return
             if len(candidates) < needed:
                 raise PoolExhausted(
                     f"pool {self.name!r} has {self.allocator.num_blocks} blocks of virtual capacity; "

@@ -220,6 +220,7 @@ class Engine:
         """Tell the pool what the next step will take (it maps that ahead, in the background),
         and that a budget's worth of spare pages may stay mapped while nobody needs them."""
         spare = 0 if self._closed else -(-self.scheduler.max_num_batched_tokens // self.pool.block_size)
+        num_blocks, spare = min(num_blocks, self.pool.num_blocks), min(spare, self.pool.num_blocks)
         if (num_blocks, spare) != self._reserve:
             self._reserve = (num_blocks, spare)
             self.pool.keep_free(num_blocks, spare)

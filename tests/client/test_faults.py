@@ -256,8 +256,9 @@ def test_a_closed_pool_and_client_say_so_on_every_method(kvd: RunningDaemon) -> 
         pool.free(3)  # type: ignore[arg-type]
     pool.close()
     pool.close()  # idempotent
-    for call in (lambda: pool.alloc(1), lambda: pool.key_cache(0), lambda: pool.value_cache(0),
-                 lambda: pool.free([0]), lambda: pool.copy_blocks([0], [1])):  # fmt: skip
+    for call in (lambda: pool.alloc(1), lambda: pool.alloc(0), lambda: pool.key_cache(0),
+                 lambda: pool.value_cache(0), lambda: pool.free([0]), lambda: pool.copy_blocks([0], [1]),
+                 lambda: pool.keep_free(5), lambda: pool.note_activity()):  # fmt: skip
         with pytest.raises(PoolClosed):
             call()
     client.close()

@@ -115,13 +115,25 @@ def test_spare_blocks_stay_at_the_tick_but_a_reclaim_takes_them(kvd: RunningDaem
     pool.close()
 
 
-@pytest.mark.parametrize("count", [-1, 1.5, None])
-def test_a_bad_reserve_is_refused(kvd: RunningDaemon, count: object) -> None:
+def test_a_reserve_past_the_limit_maps_up_to_the_limit(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, max_bytes=3 * LOGICAL)
+    pool.keep_free(5 * BLOCKS_PER_PAGE)  # the engine wants more than its limit allows
+    wait_until(lambda: mapped(client, "a") == 3 * LOGICAL, 10, "the reserve mapped nothing past the limit")
+    assert len(pool.alloc(3 * BLOCKS_PER_PAGE)) == 3 * BLOCKS_PER_PAGE
+    pool.close()
+
+
+@pytest.mark.parametrize("count", [-1, 1.5, None, True, 10**15])
+def test_a_bad_reserve_is_refused_and_changes_nothing(kvd: RunningDaemon, count: object) -> None:
     pool = kvd.client().register("a", SPEC)
+    pool.keep_free(2, 3)
     with pytest.raises(BadRequest):
         pool.keep_free(count)  # type: ignore[arg-type]
     with pytest.raises(BadRequest):
         pool.keep_free(0, count)  # type: ignore[arg-type]
+    assert (pool.core.reserve_blocks, pool.core.spare_blocks) == (2, 3)
+    pool.keep_free(pool.num_blocks, pool.num_blocks)  # the whole virtual range is a valid count
     pool.close()
 
 
