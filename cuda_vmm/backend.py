@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
+from kvdaemon.errors import BackendError
+
 if TYPE_CHECKING:
     import torch
 
@@ -158,3 +160,11 @@ class Backend(Protocol):
     def copy_in_pages(self, pages: list[PhysicalPage], src: memoryview) -> None:
         """Copy ``src`` into pages created here, the inverse of ``copy_out_pages``."""
         ...
+
+
+def check_bulk_buffer(num_pages: int, host: memoryview, page_size_bytes: int) -> None:
+    """``BackendError`` unless ``host`` holds exactly ``num_pages`` pages (``copy_*_pages``)."""
+    if len(host) != num_pages * page_size_bytes:
+        raise BackendError(
+            f"{num_pages} pages need a buffer of {num_pages * page_size_bytes} bytes, got {len(host)}"
+        )

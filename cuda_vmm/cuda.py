@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvdaemon.cuda_vmm.address_book import AddressBook
-from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage
+from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer
 from kvdaemon.cuda_vmm.device_view import address_view
 from kvdaemon.errors import BackendError
 
@@ -371,8 +371,7 @@ class CudaBackend:
     def _copy_pages(self, pages: list[PhysicalPage], host: memoryview, to_host: bool) -> None:
         """Page i of ``pages`` to or from ``host[i * page_size:]``, in chunks (module docstring)."""
         size = self.page_size_bytes
-        if len(host) != len(pages) * size:
-            raise BackendError(f"{len(pages)} pages need a buffer of {len(pages) * size} bytes, got {len(host)}")
+        check_bulk_buffer(len(pages), host, size)
         drv = self._driver()
         host_ptr = _address(host) if pages else 0
         with self._bulk_lock:

@@ -35,7 +35,7 @@ import psutil
 
 from kvdaemon.cuda_vmm import host_copy
 from kvdaemon.cuda_vmm.address_book import AddressBook
-from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage
+from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer
 from kvdaemon.errors import BackendError
 
 if TYPE_CHECKING:
@@ -312,8 +312,7 @@ class HostBackend:
     def _copy_pages(self, pages: list[PhysicalPage], host: memoryview, to_host: bool) -> None:
         """Copy ``pages`` (created here) to or from ``host``, page i at ``i * page_size``."""
         size = self.page_size_bytes
-        if len(host) != len(pages) * size:
-            raise BackendError(f"{len(pages)} pages need a buffer of {len(pages) * size} bytes, got {len(host)}")
+        check_bulk_buffer(len(pages), host, size)
         if not pages:
             return
         base = self._pool_address()

@@ -44,10 +44,11 @@ class Shares:
         self.tenants = tenants
         self.num_pages = num_pages
 
-    def share_of(self, tenant: Tenant) -> int:
-        """Physical pages that are ``tenant``'s weighted share of the device now."""
-        total = sum(t.weight for t in self._active()) or tenant.weight
-        return int(self.num_pages * tenant.weight / total)
+    def share_of(self, tenant: Tenant, total_weight: float | None = None) -> int:
+        """Physical pages that are ``tenant``'s weighted share of the device now
+        (``total_weight``: of the active tenants, when the caller has it)."""
+        total = total_weight if total_weight is not None else self._total_weight()
+        return int(self.num_pages * tenant.weight / (total or tenant.weight))
 
     def is_short(self, tenant: Tenant, now: float) -> bool:
         return now - tenant.starved_at < STARVED_S
@@ -61,14 +62,19 @@ class Shares:
     def free_for(self, tenant: Tenant, num_free: int, now: float) -> int:
         """Free physical pages a grow of ``tenant`` may take: all of them up to its share,
         past it only those no short tenant below its share is owed."""
+        active = self._active()
+        total = sum(t.weight for t in active)
         owed = sum(
-            min(t.starved_pages, max(0, self.share_of(t) - held_pages(t)))
-            for t in self._active() if t is not tenant and self.is_short(t, now)
+            min(t.starved_pages, max(0, self.share_of(t, total) - held_pages(t)))
+            for t in active if t is not tenant and self.is_short(t, now)
         )  # fmt: skip
         if not owed:
             return num_free
-        room = max(0, self.share_of(tenant) - held_pages(tenant))
+        room = max(0, self.share_of(tenant, total) - held_pages(tenant))
         return min(num_free, max(room, num_free - owed))
 
     def _active(self) -> list[Tenant]:
         return [t for t in self.tenants if t.state is TenantState.ACTIVE and t.leased]
+
+    def _total_weight(self) -> float:
+        return sum(t.weight for t in self._active())

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from kvdaemon.cuda_vmm import host_copy
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
+from kvdaemon.errors import BackendError
 
 
 class BufferCache:
@@ -97,22 +98,17 @@ def save(
     pages = [page for lp in order for page in logical[lp]]
     num_bytes = len(pages) * page_bytes
     buffer = cache.take(max(mmap.PAGESIZE, num_bytes))
-    view = memoryview(buffer)
     try:
-        backend.copy_out_pages(pages, view[:num_bytes])
-    except BaseException:
-        view.release()
-        cache.give(buffer)
+        with memoryview(buffer) as view:
+            backend.copy_out_pages(pages, view[:num_bytes])
+    except (BackendError, OSError):
+        cache.give(buffer)  # nothing saved: the buffer goes back for the next sleep
         raise
-    view.release()
     return WarmCopy(order, num_segments, buffer, cache, num_bytes)
 
 
 def restore(backend: Backend, copy: WarmCopy, logical: dict[int, list[PhysicalPage]]) -> None:
     """Copy saved bytes into the fresh pages of ``logical`` (same logical pages as saved)."""
     pages = [page for lp in copy.logical_pages for page in logical[lp]]
-    view = memoryview(copy.buffer)
-    try:
+    with memoryview(copy.buffer) as view:
         backend.copy_in_pages(pages, view[: len(pages) * backend.page_size_bytes])
-    finally:
-        view.release()

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvdaemon.client import KVClient, KVSpec, PoolExhausted
+from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted
 from kvdaemon.errors import BadRequest
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
@@ -27,6 +27,12 @@ def kvd() -> Iterator[RunningDaemon]:
 
 def mapped(client: KVClient, name: str) -> int:
     return next(t["mapped_bytes"] for t in client.status()["tenants"] if t["name"] == name)
+
+
+def occupy(client: KVClient, num_pages: int) -> tuple[KVPool, list[int]]:
+    """A tenant "hog" holding ``num_pages`` logical pages of live blocks, and those blocks."""
+    hog = client.register("hog", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    return hog, hog.alloc(num_pages * BLOCKS_PER_PAGE)
 
 
 def test_the_agent_maps_the_reserve_ahead_and_alloc_needs_no_grow(kvd: RunningDaemon) -> None:
@@ -89,8 +95,7 @@ def test_a_lowered_limit_binds_whatever_the_reserve_and_takes_no_more(kvd: Runni
 
 def test_the_agent_takes_what_the_daemon_has_toward_a_larger_reserve(kvd: RunningDaemon) -> None:
     client = kvd.client()
-    hog = client.register("hog", SPEC, num_spare_pages=0, num_prefetch_pages=0)
-    held = hog.alloc(6 * BLOCKS_PER_PAGE)  # two logical pages left
+    hog, held = occupy(client, 6)  # two logical pages left
     pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
     pool.keep_free(4 * BLOCKS_PER_PAGE)
     wait_until(lambda: pool.mapped_bytes == 2 * LOGICAL, 10, "the agent waited for the whole reserve")
@@ -139,8 +144,7 @@ def test_a_bad_reserve_is_refused_and_changes_nothing(kvd: RunningDaemon, count:
 
 def test_a_full_daemon_is_not_asked_again_at_once_while_the_agent_probes(kvd: RunningDaemon) -> None:
     client = kvd.client()
-    hog = client.register("hog", SPEC, num_spare_pages=0, num_prefetch_pages=0)
-    held = hog.alloc(8 * BLOCKS_PER_PAGE)  # the whole device
+    hog, held = occupy(client, 8)  # the whole device
     pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
     pool.keep_free(2 * BLOCKS_PER_PAGE)  # an engine's reserve: more than the daemon has
     lease, asked = pool.lease, []
