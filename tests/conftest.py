@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -99,6 +100,15 @@ def start_daemon(root: Path, capacity: str = "64MiB", *flags: str) -> subprocess
     )
     wait_until(lambda: answers(root), 30, "the daemon did not start")
     return proc
+
+
+def tenant_rows(client: KVClient) -> dict[str, dict[str, Any]] | None:
+    """The daemon's tenant rows by name; ``None`` while ``client`` finds its daemon replaced
+    (its first request after a restart may have gone to the old one: ``DaemonUnreachable``)."""
+    try:
+        return {t["name"]: t for t in client.status()["tenants"]}
+    except DaemonUnreachable:
+        return None
 
 
 def answers(root: Path) -> bool:

@@ -24,7 +24,9 @@ from kvdaemon.client.pool_state import PoolState
 from kvdaemon.daemon import swap
 from kvdaemon.errors import Conflict, DaemonUnreachable, NoReply
 
-from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, short_dir, start_daemon, wait_until
+from tests.conftest import (
+    PAGE_BYTES, RunningDaemon, running_daemon, short_dir, start_daemon, tenant_rows, wait_until,
+)
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes
@@ -74,8 +76,8 @@ def daemons(root: Path) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
 
 def wait_reregistered(client: KVClient, pool: KVPool) -> None:
     """Wait until ``pool`` moved to the daemon now running and both sides count the same pages."""
-    wait_until(lambda: pool.state is PoolState.ACTIVE and any(
-        t["name"] == pool.name for t in client.status()["tenants"]), 15, "no re-registration")
+    wait_until(lambda: pool.state is PoolState.ACTIVE and pool.name in (tenant_rows(client) or {}),
+               15, "no re-registration")
     pool.agent.nudge()
     wait_until(lambda: row(client, pool.name)["mapped_bytes"] == pool.mapped_bytes, 5, "counts differ")
 

@@ -14,7 +14,7 @@ import torch
 from kvdaemon.client import KVClient, KVPool, KVSpec
 from kvdaemon.errors import DaemonUnreachable
 
-from tests.conftest import PAGE_BYTES, short_dir, start_daemon, wait_until
+from tests.conftest import PAGE_BYTES, short_dir, start_daemon, tenant_rows, wait_until
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes
@@ -63,8 +63,9 @@ def test_engines_keep_their_kv_across_a_daemon_restart(root: Path) -> None:
     second = start_daemon(root)
     try:
         def back() -> bool:  # the daemon granted the pages, and each pool swapped them in
-            rows = {t["name"]: t["mapped_bytes"] for t in client.status()["tenants"]}
-            return rows == before and not any(p.lease.lost.is_set() for p in pools.values())
+            rows = tenant_rows(client)
+            mapped = None if rows is None else {name: row["mapped_bytes"] for name, row in rows.items()}
+            return mapped == before and not any(p.lease.lost.is_set() for p in pools.values())
 
         wait_until(back, 15, "the tenants did not re-register with the same bytes")
         assert moves == ["quiesce", "resume"]
