@@ -3,12 +3,17 @@
  * Built and loaded by kvdaemon.client.cpu_decode (the system C compiler, first use,
  * -O3 -march=native); the Python side checks every shape, dtype and stride first.
  *
- * For each sequence (a task; tasks are shared out over threads by their lengths):
- * the query heads of each KV head attend over the sequence's keys 16 positions at a
- * time, with an online softmax (running max and sum per query head, fp32), so K and
- * V are read once, in place, block by block, and the next chunk's rows are
- * prefetched while this one is computed. Scores of 16 positions are reduced
- * together (reduce16), so no per-score horizontal sum is paid.
+ * For each sequence (sequences are shared out over threads by their lengths; the
+ * threads are torch's own OpenMP team where the caller passed its GOMP_parallel,
+ * else started per call): positions are taken 16 at a time, and for each KV head
+ * its query heads are served a few per pass (HEADS_PER_PASS: their query rows and
+ * output rows stay in registers). Scores of the 16 positions are reduced together
+ * (reduce16, no per-score horizontal sum), the online softmax keeps a running max
+ * and sum per query head (fp32), and each V row is read once per pass and added to
+ * every head of the pass. K and V are read in place, block by block; while a chunk
+ * is computed, its V rows and the next chunk's K rows are prefetched into L2 a row
+ * at a time (a burst of prefetches, or prefetches into L1, stall on the line-fill
+ * buffers).
  *
  * Semantics match the torch path: scores = q.k * scale, then softcap * tanh(s / softcap)
  * when softcap > 0; only positions p with len - window <= p < len when window > 0;
@@ -132,7 +137,8 @@ static inline v16 reduce16(const v16 *a)
            __builtin_shuffle(d[0], d[1], (v16i){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
 }
 
-static int PERM[16]; /* filled once by kvd_decode_init */
+static int PERM[16];    /* filled once by kvd_decode_init */
+static v16i INVPERM;    /* lane of token t in reduce16's result */
 
 static inline __attribute__((always_inline)) v16 load16(const void *base, int64_t i, int dt)
 {
@@ -166,21 +172,129 @@ static inline __attribute__((always_inline)) void store16(void *base, int64_t i,
     }
 }
 
-static inline void prefetch_rows(const char *const *rows, int n, int64_t bytes)
+/* Rows of one chunk of 16 positions from t0 (ntok of them real; the others repeat
+ * position t0, so every row read is one of the sequence's): block and slot found by
+ * counting, not dividing. */
+static inline void chunk_rows(const struct decode_args *a, const int32_t *table, int64_t t0, int64_t ntok, int esize,
+                              const char **kr, const char **vr)
 {
-    for (int t = 0; t < n; t++)
-        for (int64_t off = 0; off < bytes; off += 64)
-            __builtin_prefetch(rows[t] + off);
+    const int64_t bs = a->block_size;
+    int64_t b = t0 / bs, slot = t0 % bs;
+    for (int t = 0; t < 16; t++) {
+        const int64_t block = table[b];
+        kr[t] = (const char *)a->k_cache + (block * a->k_block + slot * a->k_slot) * esize;
+        vr[t] = (const char *)a->v_cache + (block * a->v_block + slot * a->v_slot) * esize;
+        if (t + 1 >= ntok) {
+            b = t0 / bs; /* the padding rows repeat position t0 */
+            slot = t0 % bs;
+        } else if (++slot == bs) {
+            slot = 0;
+            b++;
+        }
+    }
+}
+
+/* Heads per pass: a pass keeps its query rows and its output rows in registers
+ * (P * ND vectors each, 16 at most). */
+#define HEADS_PER_PASS(ND) ((ND) == 0 ? 1 : (ND) <= 4 ? 4 : (ND) <= 8 ? 2 : 1)
+
+/* One chunk of 16 positions for query heads [j0, j0 + np) of KV head h: scores, the
+ * online softmax update of m, l and acc, and the weighted V rows added to acc. */
+static inline __attribute__((always_inline)) void attend_chunk(const struct decode_args *a, const char *const *kr,
+                                                              const char *const *vr, const char *const *next_k,
+                                                              int nnext, int64_t ntok, v16i keep,
+                                                              int64_t h, int64_t j0, int np, const v16 *qv, v16 *acc,
+                                                              float *m, float *l, int dt, int ND)
+{
+    enum { MAXP = 4 };
+    const int P = HEADS_PER_PASS(ND);
+    const int64_t nd = ND ? ND : a->head_dim / 16;
+    const int64_t esize = dt == DT_F32 ? 4 : 2, koff = h * a->k_head * esize, voff = h * a->v_head * esize;
+    v16 part[MAXP][16];
+    float w[MAXP][16] __attribute__((aligned(64)));
+    float corr[MAXP];
+    for (int t = 0; t < 16; t++) {
+        const char *k = kr[t] + koff;
+        if (next_k) { /* this chunk's V row and the next chunk's K row, a token at a time */
+            for (int64_t off = 0; off < a->head_dim * esize; off += 64) {
+                __builtin_prefetch(vr[t] + voff + off, 0, 2); /* to L2: an L1 prefetch holds a fill buffer */
+                if (t < nnext)
+                    __builtin_prefetch(next_k[t] + koff + off, 0, 2);
+            }
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            if (p >= np)
+                break;
+            const v16 *q = qv + (j0 + p) * nd;
+            v16 x = q[0] * load16(k, 0, dt);
+#pragma GCC unroll 16
+            for (int64_t c = 1; c < nd; c++)
+                x += q[c] * load16(k, c * 16, dt);
+            part[p][t] = x;
+        }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        if (p >= np)
+            break;
+        const int64_t j = j0 + p;
+        v16 s = reduce16(part[p]);
+        if (a->softcap > 0.f)
+            s = vsoftcap(s, a->softcap);
+        const float top_chunk = hmax((v16)(((v16i)s & keep) | (~keep & (v16i)splat(-INFINITY))));
+        const float top = top_chunk > m[j] ? top_chunk : m[j];
+        corr[p] = vexp(splat(m[j] - top))[0]; /* m = -inf: e^-87, times acc = 0 */
+        m[j] = top;
+        s = (v16)((v16i)vexp(s - top) & keep);
+        l[j] = l[j] * corr[p] + hsum(s);
+        s = __builtin_shuffle(s, INVPERM);
+        memcpy(w[p], &s, sizeof s);
+    }
+    v16 o[MAXP][MAX_ND];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        if (p >= np)
+            break;
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nd; c++)
+            o[p][c] = acc[(j0 + p) * nd + c] * corr[p];
+    }
+    for (int64_t t = 0; t < ntok; t++) {
+        const char *v = vr[t] + voff;
+        v16 vv[MAX_ND];
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nd; c++)
+            vv[c] = load16(v, c * 16, dt);
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            if (p >= np)
+                break;
+            const v16 weight = splat(w[p][t]);
+#pragma GCC unroll 16
+            for (int64_t c = 0; c < nd; c++)
+                o[p][c] += weight * vv[c];
+        }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        if (p >= np)
+            break;
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nd; c++)
+            acc[(j0 + p) * nd + c] = o[p][c];
+    }
 }
 
 /* One sequence, every head. work: 2 * heads * nd vectors; ml: 2 * heads floats.
  * Returns -1 (nothing written) on a block id outside the cache. */
 static inline __attribute__((always_inline)) int run_seq(const struct decode_args *a, int64_t i, v16 *work,
-                                                         float *ml, int dt, int nd_const)
+                                                         float *ml, int dt, int ND)
 {
-    const int64_t nd = nd_const ? nd_const : a->head_dim / 16;
-    const int64_t kvh = a->num_kv_heads, g = a->group, bs = a->block_size, heads = kvh * g;
-    const int64_t esize = dt == DT_F32 ? 4 : 2;
+    const int64_t nd = ND ? ND : a->head_dim / 16;
+    const int64_t kvh = a->num_kv_heads, g = a->group, heads = kvh * g, bs = a->block_size;
+    const int esize = dt == DT_F32 ? 4 : 2;
+    const int P = HEADS_PER_PASS(ND);
     const int64_t seq = a->seq_ids[i], len = a->seq_lens[seq];
     const int32_t *table = a->block_tables + seq * a->table_row;
     const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
@@ -198,69 +312,22 @@ static inline __attribute__((always_inline)) int run_seq(const struct decode_arg
         if (table[b] < 0 || table[b] >= a->num_blocks)
             return -1;
     const char *kr[16], *vr[16], *next_k[16], *next_v[16];
-    const char *kbase = a->k_cache, *vbase = a->v_cache;
+    chunk_rows(a, table, start, len - start < 16 ? len - start : 16, esize, kr, vr);
     for (int64_t t0 = start; t0 < len; t0 += 16) {
-        const int64_t ntok = len - t0 < 16 ? len - t0 : 16;
-        for (int t = 0; t < 16; t++) {
-            int64_t pos = t0 + (t < ntok ? t : 0), block = table[pos / bs];
-            kr[t] = kbase + (block * a->k_block + pos % bs * a->k_slot) * esize;
-            vr[t] = vbase + (block * a->v_block + pos % bs * a->v_slot) * esize;
+        const int64_t ntok = len - t0 < 16 ? len - t0 : 16, nnext = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
+        if (nnext > 0) {
+            chunk_rows(a, table, t0 + 16, nnext, esize, next_k, next_v);
         }
-        const int64_t nnext = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
-        for (int t = 0; t < nnext; t++) {
-            int64_t pos = t0 + 16 + t, block = table[pos / bs];
-            next_k[t] = kbase + (block * a->k_block + pos % bs * a->k_slot) * esize;
-            next_v[t] = vbase + (block * a->v_block + pos % bs * a->v_slot) * esize;
-        }
-        prefetch_rows(next_k, (int)(nnext > 0 ? nnext : 0), kvh * a->k_head * esize);
-        prefetch_rows(next_v, (int)(nnext > 0 ? nnext : 0), kvh * a->v_head * esize);
-        v16 valid;
+        v16i keep;
         for (int lane = 0; lane < 16; lane++)
-            valid[lane] = PERM[lane] < ntok ? 0.f : -INFINITY;
+            keep[lane] = PERM[lane] < ntok ? -1 : 0;
         for (int64_t h = 0; h < kvh; h++) {
-            v16 s[MAX_GROUP];
-            for (int64_t jj = 0; jj < g; jj++) {
-                const v16 *q = qv + (h * g + jj) * nd;
-                v16 part[16];
-                for (int t = 0; t < 16; t++) {
-                    const void *k = kr[t] + h * a->k_head * esize;
-                    v16 x = q[0] * load16(k, 0, dt);
-                    for (int64_t c = 1; c < nd; c++)
-                        x += q[c] * load16(k, c * 16, dt);
-                    part[t] = x;
-                }
-                s[jj] = reduce16(part);
-                if (a->softcap > 0.f)
-                    s[jj] = vsoftcap(s[jj], a->softcap);
-                s[jj] += valid;
-            }
-            for (int64_t jj = 0; jj < g; jj++) {
-                const int64_t j = h * g + jj;
-                float top = hmax(s[jj]);
-                top = top > m[j] ? top : m[j];
-                const float corr = m[j] == -INFINITY ? 0.f : expf(m[j] - top);
-                m[j] = top;
-                s[jj] = vexp(s[jj] - top);
-                l[j] = l[j] * corr + hsum(s[jj]);
-                for (int64_t c = 0; c < nd; c++)
-                    acc[j * nd + c] *= corr;
-            }
-            for (int lane = 0; lane < 16; lane++) {
-                const int t = PERM[lane];
-                if (t >= ntok)
-                    continue;
-                const void *v = vr[t] + h * a->v_head * esize;
-                v16 vv[MAX_ND];
-                for (int64_t c = 0; c < nd; c++)
-                    vv[c] = load16(v, c * 16, dt);
-                for (int64_t jj = 0; jj < g; jj++) {
-                    const float weight = s[jj][lane];
-                    v16 *out = acc + (h * g + jj) * nd;
-                    for (int64_t c = 0; c < nd; c++)
-                        out[c] += weight * vv[c];
-                }
-            }
+            for (int64_t j0 = h * g; j0 < (h + 1) * g; j0 += P)
+                attend_chunk(a, kr, vr, j0 == h * g ? next_k : NULL, (int)nnext, ntok, keep, h, j0,
+                             (int)((h + 1) * g - j0 < P ? (h + 1) * g - j0 : P), qv, acc, m, l, dt, ND);
         }
+        memcpy(kr, next_k, sizeof kr);
+        memcpy(vr, next_v, sizeof vr);
     }
     for (int64_t j = 0; j < heads; j++) {
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
@@ -314,6 +381,32 @@ static void *run_share(void *arg)
     return NULL;
 }
 
+/* The process's OpenMP runtime (the one torch runs on), when the caller found it:
+ * GOMP_parallel and omp_get_thread_num. Shares then run on torch's own threads,
+ * which are already running (no thread start, no second pool competing for the
+ * cores); otherwise each call starts its threads. */
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_fn gomp_parallel;
+
+struct team_job {
+    struct share *shares;
+    int num_shares;
+    int next; /* the next share to claim (atomic) */
+};
+
+/* Every thread of the team claims shares until none is left, so a team smaller
+ * than asked (nested, or a runtime that gave fewer threads) still runs them all. */
+static void run_team(void *arg)
+{
+    struct team_job *job = arg;
+    for (;;) {
+        int k = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (k >= job->num_shares)
+            return;
+        run_share(&job->shares[k]);
+    }
+}
+
 void kvd_decode_init(void)
 {
     v16 a[16];
@@ -322,8 +415,16 @@ void kvd_decode_init(void)
         a[t][0] = (float)t;
     }
     v16 r = reduce16(a);
-    for (int lane = 0; lane < 16; lane++)
+    for (int lane = 0; lane < 16; lane++) {
         PERM[lane] = (int)r[lane];
+        INVPERM[PERM[lane]] = lane;
+    }
+}
+
+
+void kvd_decode_use_openmp(void *parallel)
+{
+    gomp_parallel = (gomp_parallel_fn)parallel;
 }
 
 /* 0 done; -1 a block id outside the cache; -2 out of memory (or a thread could not start). */
@@ -348,18 +449,22 @@ int kvd_decode(const struct decode_args *a)
             done += a->seq_lens[a->seq_ids[i++]];
         shares[k].end = i;
     }
-    for (int k = 1; k < num_threads; k++)
-        started[k] = pthread_create(&threads[k], NULL, run_share, &shares[k]) == 0;
-    run_share(&shares[0]);
-    int status = shares[0].status;
-    for (int k = 1; k < num_threads; k++) {
-        if (started[k]) {
-            pthread_join(threads[k], NULL);
-        } else {
-            run_share(&shares[k]);
-        }
+    if (gomp_parallel && num_threads > 1) {
+        struct team_job job = {shares, num_threads, 0};
+        gomp_parallel(run_team, &job, (unsigned)num_threads, 0);
+    } else {
+        for (int k = 1; k < num_threads; k++)
+            started[k] = pthread_create(&threads[k], NULL, run_share, &shares[k]) == 0;
+        run_share(&shares[0]);
+        for (int k = 1; k < num_threads; k++)
+            if (started[k])
+                pthread_join(threads[k], NULL);
+            else
+                run_share(&shares[k]);
+    }
+    int status = 0;
+    for (int k = 0; k < num_threads; k++)
         if (shares[k].status && !status)
             status = shares[k].status;
-    }
     return status;
 }

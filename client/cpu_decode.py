@@ -18,6 +18,8 @@ Cost: a few microseconds of Python per call; K and V read once.
 from __future__ import annotations
 
 import ctypes
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -51,6 +53,7 @@ class _Args(ctypes.Structure):
     ]
 
 
+_OPENMP_RUNTIME = re.compile(r"/lib(gomp|iomp5|omp)(-[0-9a-f]+)?\.so(\.\d+)*$")  # wheels rename: libgomp-1a2b.so.1
 _kernel: ctypes.CDLL | None = None
 _tried = False
 
@@ -63,8 +66,32 @@ def _library() -> ctypes.CDLL | None:
             lib.kvd_decode_init()
             lib.kvd_decode.argtypes = [ctypes.POINTER(_Args)]
             lib.kvd_decode.restype = ctypes.c_int
+            lib.kvd_decode_use_openmp.argtypes = [ctypes.c_void_p]
+            lib.kvd_decode_use_openmp(_openmp_parallel())
         _kernel, _tried = lib, True
     return _kernel
+
+
+def _openmp_parallel() -> int | None:
+    """``GOMP_parallel`` of the OpenMP runtime torch's own threads run on, or ``None``.
+
+    Only where torch's parallel backend is OpenMP and the runtime is already
+    loaded (found in ``/proc/self/maps``; nothing new is loaded).
+    """
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if _OPENMP_RUNTIME.search(line.rstrip())}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            runtime = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+            return ctypes.cast(runtime.GOMP_parallel, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 def usable(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -93,8 +120,8 @@ def attend(
     tables = block_tables if block_tables.dtype == torch.int32 else block_tables.to(torch.int32)
     tables = tables.contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    seq_ids = torch.tensor(seqs, dtype=torch.int64)
-    row_ids = torch.tensor(rows, dtype=torch.int64)
+    seq_ids = (_I64 * len(seqs))(*seqs)
+    row_ids = (_I64 * len(rows))(*rows)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     args = _Args(
         query.data_ptr(), query.stride(0), query.stride(1),
@@ -102,7 +129,7 @@ def attend(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tables.data_ptr(), tables.stride(0), num_blocks,
-        lens.data_ptr(), seq_ids.data_ptr(), row_ids.data_ptr(), len(seqs),
+        lens.data_ptr(), ctypes.addressof(seq_ids), ctypes.addressof(row_ids), len(seqs),
         out.data_ptr(), out.stride(0), out.stride(1),
         block_size, num_kv_heads, query.shape[1] // num_kv_heads, head_dim, sliding_window or 0,
         scale, softcap or 0.0, _DTYPES[query.dtype], torch.get_num_threads(),

@@ -94,12 +94,13 @@ def paged_attention(
     _check_ragged(starts, lens, query.shape[0], block_tables.shape[1], k_cache.shape[1])
     out = torch.empty_like(query)
     q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
-    decode = sorted((s for s, n in enumerate(q_lens) if n == 1), key=lens.__getitem__)
+    decode = [s for s, n in enumerate(q_lens) if n == 1]
     if decode and cpu_decode.usable(query, k_cache, v_cache):
         rows = [starts[s] for s in decode]
         cpu_decode.attend(out, query, k_cache, v_cache, block_tables, seq_lens, decode, rows, scale,
                           sliding_window, softcap)
         decode = []
+    decode.sort(key=lens.__getitem__)  # the torch path's chunks group similar lengths
     token_bytes = 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # K+V of one token
     for chunk in _decode_chunks(decode, lens, token_bytes):
         rows = [starts[s] for s in chunk]

@@ -9,6 +9,7 @@ and ``test_attention`` covers it).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -46,8 +47,8 @@ def check(batch: object, window: int | None = None, softcap: float | None = None
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 4, 6, 8])
 def test_decode_matches_the_reference(dtype: torch.dtype, head_dim: int, group: int) -> None:
     batch = make_batch(DECODE, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, dtype=dtype, seed=group)
     check(batch)
@@ -100,3 +101,43 @@ def test_what_the_kernel_does_not_take_goes_the_torch_way() -> None:
 def test_switched_off_it_is_not_used(kernel_off: None) -> None:
     batch = make_batch(DECODE, num_heads=4, num_kv_heads=2, head_dim=32)
     assert not cpu_decode.usable(batch.query, batch.k_cache, batch.v_cache)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.skipif("parallel backend: OpenMP" not in torch.__config__.parallel_info(), reason="torch runs no OpenMP")
+def test_shares_run_on_torchs_openmp_team_or_on_started_threads_alike(two_threads: None) -> None:
+    """Where torch runs on OpenMP, the kernel finds its runtime (loaded, not loaded anew);
+    without it, each call starts its threads. Both give the reference's rows."""
+    parallel = cpu_decode._openmp_parallel()
+    assert parallel is not None
+    lib = cpu_decode._library()
+    batch = make_batch(DECODE * 3, num_heads=8, num_kv_heads=2, head_dim=64, seed=5)
+    with_team = run(batch)
+    lib.kvd_decode_use_openmp(None)  # type: ignore[union-attr]
+    try:
+        started = run(batch)
+    finally:
+        lib.kvd_decode_use_openmp(parallel)  # type: ignore[union-attr]
+    torch.testing.assert_close(with_team, started, atol=0, rtol=0)
+    check(batch)
+
+
+@needs_kernel
+def test_calls_from_several_threads_at_once_each_get_their_rows(two_threads: None) -> None:
+    batches = [make_batch(DECODE * 2, num_heads=8, num_kv_heads=2, head_dim=64, seed=s) for s in range(4)]
+    expected = [run(b) for b in batches]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            got = list(pool.map(run, batches))
+            for want, have in zip(expected, got):
+                torch.testing.assert_close(have, want, atol=0, rtol=0)
