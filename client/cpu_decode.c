@@ -342,20 +342,24 @@ typedef int (*seq_fn)(const struct decode_args *, int64_t, v16 *, float *);
 #define VARIANT(NAME, DT, ND) \
     static int NAME(const struct decode_args *a, int64_t i, v16 *w, float *ml) { return run_seq(a, i, w, ml, DT, ND); }
 VARIANT(f32_any, DT_F32, 0)
+VARIANT(f32_d32, DT_F32, 2)
 VARIANT(f32_d64, DT_F32, 4)
 VARIANT(f32_d128, DT_F32, 8)
 VARIANT(bf16_any, DT_BF16, 0)
+VARIANT(bf16_d32, DT_BF16, 2)
 VARIANT(bf16_d64, DT_BF16, 4)
 VARIANT(bf16_d128, DT_BF16, 8)
 VARIANT(f16_any, DT_F16, 0)
+VARIANT(f16_d32, DT_F16, 2)
 VARIANT(f16_d64, DT_F16, 4)
 VARIANT(f16_d128, DT_F16, 8)
 
 static seq_fn pick(int dt, int64_t head_dim)
 {
-    static const seq_fn table[3][3] = {
-        {f32_any, f32_d64, f32_d128}, {bf16_any, bf16_d64, bf16_d128}, {f16_any, f16_d64, f16_d128}};
-    int which = head_dim == 64 ? 1 : head_dim == 128 ? 2 : 0;
+    static const seq_fn table[3][4] = {{f32_any, f32_d32, f32_d64, f32_d128},
+                                       {bf16_any, bf16_d32, bf16_d64, bf16_d128},
+                                       {f16_any, f16_d32, f16_d64, f16_d128}};
+    int which = head_dim == 32 ? 1 : head_dim == 64 ? 2 : head_dim == 128 ? 3 : 0;
     return table[dt][which];
 }
 

@@ -47,7 +47,7 @@ def check(batch: object, window: int | None = None, softcap: float | None = None
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 256])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 128, 256])
 @pytest.mark.parametrize("group", [1, 3, 4, 6, 8])
 def test_decode_matches_the_reference(dtype: torch.dtype, head_dim: int, group: int) -> None:
     batch = make_batch(DECODE, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, dtype=dtype, seed=group)
