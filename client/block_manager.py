@@ -179,11 +179,14 @@ class BlockManager:
     # -- sequences -------------------------------------------------------------
 
     @_locked
-    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+    def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int], headroom_blocks: int = 0) -> int:
         """Allocate the prompt's blocks, reusing cached full blocks; the number of cached tokens.
 
         At most ``(len - 1) // block_size`` blocks are reused, so at least one
         token is left to compute and the caller writes only into fresh blocks.
+        ``headroom_blocks``: the prompt is taken only if that many more blocks
+        could be taken too (they are allocated and given straight back, so they
+        stay free in the source: mapped, or cached blocks evicted for them).
         Raises PoolExhausted (nothing changed) or BadRequest for a live ``seq_id``.
         """
         if seq_id in self._seqs:
@@ -192,12 +195,16 @@ class BlockManager:
         hits, chain = self._match_prefix(tokens)
         for block_id in hits:
             self.cache.acquire(block_id)
+        num_fresh = self._blocks_for(len(tokens)) - len(hits)
         try:
-            fresh = self._allocate(self._blocks_for(len(tokens)) - len(hits))
+            fresh = self._allocate(num_fresh + max(0, headroom_blocks))
         except PoolExhausted:
             for block_id in reversed(hits):
                 self.cache.release(block_id)
             raise
+        fresh, headroom = fresh[:num_fresh], fresh[num_fresh:]
+        if headroom:
+            self.source.free(headroom)
         self.cache.adopt(fresh)
         seq = _Sequence(blocks=hits + fresh, num_tokens=len(hits) * self.block_size, chain=chain)
         self._seqs[seq_id] = seq

@@ -315,19 +315,19 @@ static inline __attribute__((always_inline)) int run_seq(const struct decode_arg
     chunk_rows(a, table, start, len - start < 16 ? len - start : 16, esize, kr, vr);
     for (int64_t t0 = start; t0 < len; t0 += 16) {
         const int64_t ntok = len - t0 < 16 ? len - t0 : 16, nnext = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
-        if (nnext > 0) {
+        if (nnext > 0)
             chunk_rows(a, table, t0 + 16, nnext, esize, next_k, next_v);
-        }
         v16i keep;
         for (int lane = 0; lane < 16; lane++)
             keep[lane] = PERM[lane] < ntok ? -1 : 0;
-        for (int64_t h = 0; h < kvh; h++) {
-            for (int64_t j0 = h * g; j0 < (h + 1) * g; j0 += P)
+        for (int64_t h = 0; h < kvh; h++)
+            for (int64_t j0 = h * g; j0 < (h + 1) * g; j0 += P) /* the first pass of a head prefetches */
                 attend_chunk(a, kr, vr, j0 == h * g ? next_k : NULL, (int)nnext, ntok, keep, h, j0,
                              (int)((h + 1) * g - j0 < P ? (h + 1) * g - j0 : P), qv, acc, m, l, dt, ND);
+        if (nnext > 0) {
+            memcpy(kr, next_k, sizeof kr);
+            memcpy(vr, next_v, sizeof vr);
         }
-        memcpy(kr, next_k, sizeof kr);
-        memcpy(vr, next_v, sizeof vr);
     }
     for (int64_t j = 0; j < heads; j++) {
         const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;

@@ -323,7 +323,7 @@ class KVPool:
                     "(the pool's virtual capacity) is needed"
                 )
         core.reserve_blocks, core.spare_blocks = num_blocks, num_spare_blocks
-        if core.allocator.num_free < num_blocks:
+        if core.allocator.num_free < num_blocks and core.headroom_pages() > 0:  # at its limit: nothing to map
             self.agent.nudge()
 
     def _alloc_after_wake(self, num_blocks: int) -> list[int]:

@@ -16,7 +16,9 @@ or each ``HEARTBEAT_S``): adopts late grants, grows ahead to the engine's
 reserve (``PoolCore.grow_ahead``; refused while the daemon has nothing free,
 then tried again after ``GROW_RETRY_S``, by when other tenants were asked for
 pages, and each time twice as late up to ``GROW_RETRY_MAX_S``), returns excess spare pages, retries unconfirmed returns, and tells the
-daemon ``used_bytes`` and whether the pool can be quiesced when they changed. When the daemon is gone it keeps the pool
+daemon ``used_bytes``, whether the pool can be quiesced and whether the engine
+stepped, when they changed (used bytes and activity at most every ``REPORT_MIN_S``:
+a busy engine changes them every step). When the daemon is gone it keeps the pool
 serving from its mappings (``DETACHED``) and re-registers with the next daemon
 (``pool_reconnect``).
 
@@ -44,6 +46,7 @@ from kvdaemon.wire.messages import (
 
 log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
+REPORT_MIN_S = 0.25  # changed figures (used bytes, activity) are told at most this often
 GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon, then twice as late each time
 GROW_RETRY_MAX_S = 0.25  # ... up to this (the engine's own grows wait for the probe, ``REFUSED_S``)
 
@@ -62,6 +65,8 @@ class PoolAgent:
         self._reported: tuple[int, bool] | None = None  # (used bytes, sleepable) last told
         self._retry_s = GROW_RETRY_S  # the wait after the next refused grow-ahead
         self._probe_at = 0.0  # no grow-ahead before this (time.monotonic), however often woken
+        self._report_at = 0.0  # no heartbeat before this, unless a whole HEARTBEAT_S passed
+        self._active = False  # the engine stepped since the last heartbeat
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"kvpool-{self.core.name}", daemon=True)
@@ -97,10 +102,22 @@ class PoolAgent:
                 self._guarded(self._housekeep)
 
     def _wait_s(self) -> float:
-        """Until the next heartbeat, or the next grow-ahead try when one is due sooner (one
-        overdue was not made: the pool is not active, and the agent waits a heartbeat)."""
-        due_s = self._probe_at - time.monotonic()
-        return due_s if 0.0 < due_s < HEARTBEAT_S else HEARTBEAT_S
+        """Until the next heartbeat, or the next grow-ahead try or held-back report when one is
+        due sooner (one overdue was not made: the pool is not active, and the agent waits a
+        heartbeat)."""
+        now = time.monotonic()
+        wait_s = HEARTBEAT_S
+        for due_s in (self._probe_at - now, self._report_at - now if self._report_pending() else 0.0):
+            if 0.0 < due_s < wait_s:
+                wait_s = due_s
+        return wait_s
+
+    def _report(self) -> tuple[int, bool]:
+        core = self.core
+        return core.allocator.num_live * core.spec.block_bytes * core.spec.num_segments, core.quiesce_hook is not None
+
+    def _report_pending(self) -> bool:
+        return self._active or self.core.active or self._report() != self._reported
 
     def _guarded(self, step: Callable[..., None], *args: object) -> None:
         try:
@@ -165,17 +182,18 @@ class PoolAgent:
                     ahead = core.grow_ahead()
                 core.return_excess()
             core.retry_returns()
-            used = core.allocator.num_live * core.spec.block_bytes * core.spec.num_segments
+            report = self._report()
         if probe and ahead:
             self._retry_s, self._probe_at = GROW_RETRY_S, 0.0
         elif probe:  # refused: back off, whatever wakes the agent meanwhile (notices, keep_free)
             self._probe_at = time.monotonic() + self._retry_s
             self._retry_s = min(GROW_RETRY_MAX_S, 2 * self._retry_s)
-        report = (used, core.quiesce_hook is not None)
-        active, core.active = core.active, False
-        if report != self._reported or active:
-            core.lease.heartbeat(used_bytes=report[0], sleepable=report[1], active=active)
-            self._reported = report
+        self._active, core.active = self._active or core.active, False
+        now = time.monotonic()
+        urgent = self._reported is None or report[1] != self._reported[1]  # sleepable: told at once
+        if urgent or ((report != self._reported or self._active) and now >= self._report_at):
+            core.lease.heartbeat(used_bytes=report[0], sleepable=report[1], active=self._active)
+            self._reported, self._active, self._report_at = report, False, now + REPORT_MIN_S
 
     def _detached(self) -> None:
         """The daemon is gone: keep serving what is mapped; move to a new daemon once one answers."""

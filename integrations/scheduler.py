@@ -8,6 +8,9 @@ Every step, under a budget of ``max_num_batched_tokens`` new tokens:
 2. if nothing was preempted, waiting requests join in arrival order while
    budget and ``max_num_seqs`` allow: their prompt is matched against the
    prefix cache and only the uncached part is computed, chunked the same way.
+   A request joins only if, besides its prompt's blocks, one more block per
+   running request could be taken (decode headroom, like vLLM's watermark):
+   admitting up to the last free block would make the next decodes preempt.
 
 Blocks for the tokens a step computes are taken before the forward. When the
 pool cannot give them (``PoolExhausted``) for a running request, the youngest
@@ -112,8 +115,9 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.manager.num_cached_tokens(request.token_ids)
             end = cached + min(request.num_tokens - cached, budget)
-            try:
-                computed = self.manager.add_sequence(request.request_id, request.token_ids[:end])
+            try:  # admitted only with a block to spare for each running request's next decodes
+                computed = self.manager.add_sequence(request.request_id, request.token_ids[:end],
+                                                     headroom_blocks=len(self.running))
             except (PoolExhausted, *TRANSIENT):
                 return  # it waits; the pool may have room at a later step
             self.waiting.popleft()

@@ -65,15 +65,27 @@ def test_max_num_seqs_bounds_the_running_set() -> None:
 
 
 def test_out_of_blocks_preempts_the_youngest_and_requeues_it_first() -> None:
-    scheduler, pool = make(6, budget=100)  # 6 blocks of 4 tokens
+    scheduler, pool = make(8, budget=100)  # 8 blocks of 4 tokens
     for i in range(3):
         scheduler.add(request(i, 8, 20))  # each prompt needs 2 blocks now and more later
-    run_step(scheduler)
-    assert pool.num_free_blocks == 0 and len(scheduler.running) == 3
-    run_step(scheduler)  # request 0 needs a 3rd block: request 2 (youngest) is preempted
+    run_step(scheduler)  # admitted with 0, 1 and 2 blocks of headroom: 2 blocks stay free
+    assert pool.num_free_blocks == 2 and len(scheduler.running) == 3
+    run_step(scheduler)  # each needs a 3rd block: 0 and 1 get the last two, 2 (youngest) is preempted
     assert [r.request_id for r in scheduler.running] == [0, 1]
     assert [r.request_id for r in scheduler.waiting] == [2]
     assert scheduler.num_preemptions == 1 and scheduler.waiting[0].num_preemptions == 1
+    check(scheduler)
+
+
+def test_a_request_waits_rather_than_take_the_blocks_running_decodes_need_next() -> None:
+    scheduler, pool = make(7, budget=100)
+    scheduler.add(request(0, 12, 20))  # 3 blocks; nothing running, so no headroom asked
+    run_step(scheduler)
+    scheduler.add(request(1, 12, 20))  # 3 blocks would fit, but not with 1 to spare for request 0
+    run_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == [0]
+    assert [r.request_id for r in scheduler.waiting] == [1] and scheduler.waiting[0].num_preemptions == 0
+    assert pool.num_free_blocks == 3  # request 0 took its 4th block; the headroom went back
     check(scheduler)
 
 
