@@ -12,6 +12,8 @@ time and steps the engines in turn. Modes:
 ``summarize`` turns a run into TTFT mean/p99, output tokens/s over the
 makespan, preemptions and the peak bytes each tenant's running requests held
 (prefix-cache blocks no request uses are not counted: they are reclaimable).
+``pooled`` merges repeats of one mode into one run: TTFTs of every request,
+tokens over the summed makespans, preemptions summed, peaks the highest.
 """
 
 from __future__ import annotations
@@ -108,6 +110,17 @@ def replay(mode: str, models: list[Any], trace: list[Arrival], capacity_bytes: i
             engine.close()
             pool.close()
     return run
+
+
+def pooled(runs: list[ModeRun]) -> ModeRun:
+    """Repeats of one mode as one run (the first one's timeline, for plots)."""
+    merged = ModeRun(runs[0].mode, timeline=runs[0].timeline)
+    merged.requests = [pair for run in runs for pair in run.requests]
+    merged.makespan_s = sum(run.makespan_s for run in runs)
+    for name in ("preemptions", "computed_tokens", "steps"):
+        setattr(merged, name, [sum(column) for column in zip(*(getattr(run, name) for run in runs))])
+    merged.peak_used_bytes = [max(column) for column in zip(*(run.peak_used_bytes for run in runs))]
+    return merged
 
 
 def _sample(run: ModeRun, pools: list[KVPool], now: float) -> None:

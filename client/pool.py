@@ -323,8 +323,8 @@ class KVPool:
                     "(the pool's virtual capacity) is needed"
                 )
         core.reserve_blocks, core.spare_blocks = num_blocks, num_spare_blocks
-        if core.allocator.num_free < num_blocks and core.headroom_pages() > 0:  # at its limit: nothing to map
-            self.agent.nudge()
+        if core.allocator.num_free < num_blocks and core.headroom_pages() > 0 and self.agent.grow_due():
+            self.agent.nudge()  # (at its limit there is nothing to map; after a refusal the agent waits)
 
     def _alloc_after_wake(self, num_blocks: int) -> list[int]:
         """Asleep with ``auto_wake``: wake (without the lock: the agent maps under it), then allocate."""

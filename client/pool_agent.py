@@ -15,8 +15,9 @@ Then, on every wake-up (a notice, ``nudge()`` from ``free`` or ``keep_free``,
 or each ``HEARTBEAT_S``): adopts late grants, grows ahead to the engine's
 reserve (``PoolCore.grow_ahead``; refused while the daemon has nothing free,
 then tried again after ``GROW_RETRY_S``, by when other tenants were asked for
-pages, and each time twice as late up to ``GROW_RETRY_MAX_S``), returns excess spare pages, retries unconfirmed returns, and tells the
-daemon ``used_bytes``, whether the pool can be quiesced and whether the engine
+pages, and each time twice as late up to ``GROW_RETRY_MAX_S``), returns
+excess spare pages, retries unconfirmed returns, and tells the daemon
+``used_bytes``, whether the pool can be quiesced and whether the engine
 stepped, when they changed (used bytes and activity at most every ``REPORT_MIN_S``:
 a busy engine changes them every step). When the daemon is gone it keeps the pool
 serving from its mappings (``DETACHED``) and re-registers with the next daemon
@@ -87,6 +88,12 @@ class PoolAgent:
     def nudge(self) -> None:
         """Wake the agent now (spare pages to return, a hook changed)."""
         self._wake.set()
+
+    def grow_due(self) -> bool:
+        """Whether a grow-ahead may be tried now: not while backing off after a refusal (the
+        agent wakes by itself when the wait ends; a nudge before would only steal the engine's
+        cores). O(1), no lock."""
+        return time.monotonic() >= self._probe_at
 
     def _loop(self) -> None:
         while not self._stopping:
