@@ -220,6 +220,12 @@ class Terminal:
         return bool(lflag & termios.ECHO), bool(lflag & termios.ICANON)
 
 
+def _ctrl_c_as_on_a_terminal() -> None:
+    """SIGINT back to its default in the child: a test run started in the background
+    (``cmd &`` in a script) ignores SIGINT, and a child would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @contextmanager
 def top_on_a_terminal(cli: Cli, *, keys: bool = True) -> Iterator[Terminal]:
     """Run ``kvdaemon top --interval 0.2`` on a fresh pty; its stdin too when ``keys``."""
@@ -228,7 +234,7 @@ def top_on_a_terminal(cli: Cli, *, keys: bool = True) -> Iterator[Terminal]:
     child = subprocess.Popen(
         [sys.executable, "-m", "kvdaemon", "top", "--interval", "0.2", "--dir", str(cli.dir)],
         stdin=slave if keys else subprocess.DEVNULL, stdout=slave, stderr=slave,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_ctrl_c_as_on_a_terminal,
     )  # fmt: skip
     os.close(slave)
     terminal = Terminal(child, master)
