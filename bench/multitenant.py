@@ -12,9 +12,9 @@ Classes of traces, each seed one trace replayed in both modes:
   own window). The trace's rates were set for engines that serve
   ``DESIGN_SERVED_RPS``; they are scaled by what the calibration run served
   over that (printed), so a faster machine or kernel sees as many requests in
-  flight, and as much contention, as the design meant. A seed is *contended* when static mode ran out of memory: a
-  tenant's running requests held its whole third (within one logical page) or
-  were preempted. Targets: contended, elastic TTFT p99 <= 0.5x static;
+  flight, and as much contention, as the design meant. A seed is *contended*
+  when static mode ran out of memory: a tenant's running requests held its
+  whole third (within one logical page) or were preempted. Targets: contended, elastic TTFT p99 <= 0.5x static;
   uncontended, TTFT mean <= 1.1x and p99 <= 1.2x static; every seed,
   throughput >= 0.95x static.
 - overload (``--overload-seeds``, ``traces.steady_trace``): every tenant at one
@@ -24,8 +24,8 @@ Classes of traces, each seed one trace replayed in both modes:
 
 With ``--repeats`` / ``--overload-repeats`` N (defaults 2 and 3: one run's
 TTFT p99 can double on a hiccup of the shared cores, and overload preemption
-counts swing by a third between runs of one mode), each seed is
-replayed N times per mode, modes interleaved, and the runs pooled: TTFT over
+counts swing by a third between runs of one mode), each seed is replayed N
+times per mode, modes interleaved, and the runs pooled (``pooled``): TTFT over
 every request, tokens over the summed makespans, preemptions summed.
 
 Per seed: whether contended, both modes' TTFT mean/p99, tokens/s and

@@ -186,7 +186,8 @@ class BlockManager:
         token is left to compute and the caller writes only into fresh blocks.
         ``headroom_blocks``: the prompt is taken only if that many more blocks
         could be taken too (they are allocated and given straight back, so they
-        stay free in the source: mapped, or cached blocks evicted for them).
+        stay free in the source: mapped, or cached blocks evicted for them;
+        O(headroom) more per admission, nothing when it is refused).
         Raises PoolExhausted (nothing changed) or BadRequest for a live ``seq_id``.
         """
         if seq_id in self._seqs:
