@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from engine import build_model  # noqa: E402
 from multitenant_replay import BLOCK, PAGE_BYTES, ModeRun, pooled, replay, summarize, third_bytes  # noqa: E402
-from plots import machine_caption, memory_plot, model_caption, ttft_plot  # noqa: E402
+from plots import available, machine_caption, memory_plot, model_caption, ttft_plot  # noqa: E402
 from report import RESULTS_DIR, save, verdict  # noqa: E402
 from traces import Arrival, TraceShape, bursty_trace, steady_trace  # noqa: E402
 
@@ -202,6 +202,9 @@ def main() -> None:
     third, logical_page = third_bytes(capacity, spec), spec.num_segments * PAGE_BYTES
     seeds, overload_seeds = seed_list(opts.seeds), seed_list(opts.overload_seeds)
     plot_seed = opts.plot_seed if opts.plot_seed is not None else (seeds or [None])[0]
+    if plot_seed is not None and not available():
+        print('no plots: they need matplotlib (pip install -e ".[bench]")')
+        plot_seed = None
     print(f"capacity {opts.capacity_mib} MiB (a third {third / MiB:.1f} MiB), page {PAGE_BYTES // 1024} KiB, "
           f"torch threads {torch.get_num_threads()}; bursty traces of {shape.duration_s:.0f} s")
     served = calibrate(models, shape, capacity, opts.budget)

@@ -21,6 +21,13 @@ GiB = 1 << 30
 LEGEND_OUTSIDE = {"loc": "upper left", "bbox_to_anchor": (1.01, 1.0), "borderaxespad": 0.0}
 
 
+def available() -> bool:
+    """Whether matplotlib can be imported (the plots are skipped, with a note, when not)."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib

@@ -37,6 +37,9 @@ class EnginePool(BlockSource, Protocol):
     num_block_losses: int
     """Times every block's contents were dropped (cold sleep): the engine recomputes then."""
     grow_wait_s: float | None
+    owed_pages: int
+    """Logical pages the daemon asked back for another tenant's need, still in use: they go
+    back as their blocks are freed, so the engine admits no new request into them."""
     quiesce_hook: Callable[[], None] | None
     resume_hook: Callable[[], None] | None
     reclaim_hook: Callable[[int], int] | None
@@ -57,8 +60,10 @@ class EnginePool(BlockSource, Protocol):
         """The engine ran a step over the pool: it is busy, whatever its blocks do."""
         ...
 
-    def keep_free(self, num_blocks: int, num_spare_blocks: int = 0) -> None:
+    def keep_free(self, num_blocks: int, num_spare_blocks: int = 0, num_ahead_blocks: int = 0) -> None:
         """A hint: the engine's next steps will take about ``num_blocks`` blocks (a pool may
-        map them ahead and keep them from others), and up to ``num_spare_blocks`` spare ones
-        may stay mapped until someone else needs them; a fixed pool ignores it."""
+        map them ahead and keep them from others), up to ``num_spare_blocks`` spare ones
+        may stay mapped until someone else needs them, and ``num_ahead_blocks`` may be
+        mapped ahead of need while memory is plentiful, given up like spare ones; a fixed
+        pool ignores it."""
         ...

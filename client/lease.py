@@ -191,21 +191,26 @@ class Lease:
         return {"tenant": self.name, "token": self.token, **extra}
 
     def grow(
-        self, logical_pages: list[int], wait_s: float | None = None, min_pages: int | None = None
+        self, logical_pages: list[int], wait_s: float | None = None, min_pages: int | None = None,
+        ahead: bool = False,
     ) -> Grant:
         """Obtain and import pages for the first n of ``logical_pages``, ``min_pages <= n``.
 
         Maps nothing. Raises ``NoMemory``/``OverLimit``/``Asleep`` from the daemon
         with nothing granted. ``wait_s`` bounds how long the daemon may wait for
         other tenants to give pages back (``None``: its default; ``0``: fail at
-        once). No reply in time raises ``NoReply`` and leaves the grow
-        outstanding (see ``late_grants``).
+        once). ``ahead``: pages wanted ahead of need, which the daemon grants
+        only from memory free above its low-water mark, asking nobody for any.
+        No reply in time raises ``NoReply`` and leaves the grow outstanding (see
+        ``late_grants``).
         """
         args = self._args(logical_pages=list(logical_pages))
         if min_pages is not None:
             args["min_pages"] = min_pages
         if wait_s is not None:
             args["wait_s"] = wait_s
+        if ahead:
+            args["ahead"] = True
         timeout_s = self.timeout_s + (DAEMON_WAIT_S if wait_s is None else wait_s)
         try:
             reply, frames = self._grant_call("grow", args, timeout_s, keep=True)

@@ -40,6 +40,7 @@ class LocalPool:
         self.grow_wait_s: float | None = None
         self.sleep_mode: str | None = None  # never asleep
         self.num_block_losses = 0  # never loses its blocks
+        self.owed_pages = 0  # no daemon asks anything back
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         dtype = getattr(torch, spec.dtype_name)
         self._caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_segments)]
@@ -99,7 +100,7 @@ class LocalPool:
         for cache in self._caches:
             cache.index_copy_(0, index_dst, cache.index_select(0, index_src))
 
-    def keep_free(self, num_blocks: int, num_spare_blocks: int = 0) -> None:
+    def keep_free(self, num_blocks: int, num_spare_blocks: int = 0, num_ahead_blocks: int = 0) -> None:
         """Nothing to do: every block is allocated up front."""
 
     def wake(self) -> None:

@@ -300,7 +300,7 @@ class KVPool:
                 core.grow_for(num_blocks)
             return core.allocator.alloc(num_blocks)
 
-    def keep_free(self, num_blocks: int, num_spare_blocks: int = 0) -> None:
+    def keep_free(self, num_blocks: int, num_spare_blocks: int = 0, num_ahead_blocks: int = 0) -> None:
         """Keep about ``num_blocks`` blocks free and mapped for the engine's next steps.
 
         The agent maps pages ahead in the background when fewer are free (so
@@ -310,21 +310,28 @@ class KVPool:
         returned at the agent's tick either (more than ``num_spare_pages``), but
         unlike the reserve a reclaim or the daemon's ask takes them and the agent
         does not map them ahead (an idle engine keeps its last step's pages while
-        nobody needs them). A reserve past the limit maps up to the limit. Counts
-        above ``num_blocks`` raise ``BadRequest`` (nothing changed). Never waits;
-        ``0`` (the default) keeps nothing back.
+        nobody needs them). ``num_ahead_blocks``: a floor the agent maps ahead
+        too, *ahead of need* (requests that may arrive before the next step),
+        kept at the tick like spare and given up to a reclaim like spare; the
+        daemon grants it only from memory free above its low-water mark, asks
+        no other tenant for it, and does not count its refusal as a shortage.
+        A reserve past the limit maps up to the limit. A count outside
+        ``[0, num_blocks of the pool]`` raises ``BadRequest`` (nothing
+        changed). Never waits; ``0`` (the default) keeps nothing back.
         """
         self._check_open()
         core = self.core
-        for count in (num_blocks, num_spare_blocks):
+        for count in (num_blocks, num_spare_blocks, num_ahead_blocks):
             if type(count) is not int or not 0 <= count <= core.allocator.num_blocks:
                 raise BadRequest(
                     f"cannot keep {count!r} blocks free: a count in [0, {core.allocator.num_blocks}] "
                     "(the pool's virtual capacity) is needed"
                 )
-        core.reserve_blocks, core.spare_blocks = num_blocks, num_spare_blocks
-        if core.allocator.num_free < num_blocks and core.headroom_pages() > 0 and self.agent.grow_due():
-            self.agent.nudge()  # (at its limit there is nothing to map; after a refusal the agent waits)
+        core.reserve_blocks, core.spare_blocks, core.ahead_blocks = num_blocks, num_spare_blocks, num_ahead_blocks
+        free, agent = core.allocator.num_free, self.agent
+        due = (free < num_blocks and agent.grow_due()) or (free < num_ahead_blocks and agent.grow_due(floor=True))
+        if due and core.headroom_pages() > 0:
+            agent.nudge()  # (at its limit there is nothing to map; after a refusal the agent waits)
 
     def _alloc_after_wake(self, num_blocks: int) -> list[int]:
         """Asleep with ``auto_wake``: wake (without the lock: the agent maps under it), then allocate."""

@@ -6,16 +6,23 @@ pool's lock only as long as each answer takes:
 
 - ``reclaim`` N: returns up to N spare pages, then asks the engine's
   ``reclaim_hook`` to evict cache-only blocks and returns the pages that
-  emptied; what is still short is *owed* and goes back as blocks are freed;
+  emptied; what is still short of an urgent ask is *owed* and goes back as
+  blocks are freed (the engine admits no new request into owed pages);
+- ``free``: pages a refused grow wanted are free again: the back-off ends, the
+  engine's own grows may ask at once, and the reserve is probed now;
 - ``sleep`` / ``wake``: see ``pool_sleep``; ``limit``: the pool's known limit;
 - ``revoked``: every page is unmapped here and the pool ends (``REVOKED``);
 - ``shutdown``: logged; the lease's end follows.
 
 Then, on every wake-up (a notice, ``nudge()`` from ``free`` or ``keep_free``,
 or each ``HEARTBEAT_S``): adopts late grants, grows ahead to the engine's
-reserve (``PoolCore.grow_ahead``; refused while the daemon has nothing free,
-then tried again after ``GROW_RETRY_S``, by when other tenants were asked for
-pages, and each time twice as late up to ``GROW_RETRY_MAX_S``), returns
+reserve, then its floor (``PoolCore.grow_reserve``, ``grow_floor``; each
+refused while the daemon has nothing free for it, then tried again after
+``GROW_RETRY_S``, by when other tenants were asked for pages, and each time
+twice as late up to ``GROW_RETRY_MAX_S``; the reserve at once on a ``free``
+notice, and a refused floor never holds the reserve back; while the daemon
+has no memory to spare for the floor, the engine's own cache-only blocks are
+evicted for it, so its allocations still find blocks without a round trip), returns
 excess spare pages, retries unconfirmed returns, and tells the daemon
 ``used_bytes``, whether the pool can be quiesced and whether the engine
 stepped, when they changed (used bytes and activity at most every ``REPORT_MIN_S``:
@@ -41,7 +48,7 @@ from kvdaemon.client.pool_sleep import sleep_pool, wake_pool
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.errors import KVDaemonError
 from kvdaemon.wire.messages import (
-    LimitNotice, Notice, ReclaimNotice, RevokedNotice, ShutdownNotice, SleepCancelledNotice,
+    FreeNotice, LimitNotice, Notice, ReclaimNotice, RevokedNotice, ShutdownNotice, SleepCancelledNotice,
     SleepNotice, WakeNotice,
 )
 
@@ -49,7 +56,29 @@ log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
 REPORT_MIN_S = 0.25  # changed figures (used bytes, activity) are told at most this often
 GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon, then twice as late each time
-GROW_RETRY_MAX_S = 0.25  # ... up to this (the engine's own grows wait for the probe, ``REFUSED_S``)
+GROW_RETRY_MAX_S = 1.0  # ... up to this (a ``free`` notice ends the wait sooner)
+
+
+class Backoff:
+    """When a refused grow-ahead may be tried again: ``GROW_RETRY_S`` after the first
+    refusal, twice as late after each next one up to ``GROW_RETRY_MAX_S``. O(1)."""
+
+    def __init__(self) -> None:
+        self.retry_s = GROW_RETRY_S  # the wait after the next refusal
+        self.at = 0.0  # no try before this (time.monotonic)
+
+    def due(self, now: float) -> bool:
+        return now >= self.at
+
+    def note(self, granted: bool, now: float) -> None:
+        if granted:
+            self.reset()
+        else:
+            self.at = now + self.retry_s
+            self.retry_s = min(GROW_RETRY_MAX_S, 2 * self.retry_s)
+
+    def reset(self) -> None:
+        self.retry_s, self.at = GROW_RETRY_S, 0.0
 
 
 class PoolAgent:
@@ -64,8 +93,9 @@ class PoolAgent:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._reported: tuple[int, bool] | None = None  # (used bytes, sleepable) last told
-        self._retry_s = GROW_RETRY_S  # the wait after the next refused grow-ahead
-        self._probe_at = 0.0  # no grow-ahead before this (time.monotonic), however often woken
+        self.reserve_backoff = Backoff()  # after refused grows toward the reserve, however often woken
+        self.floor_backoff = Backoff()  # after refused grows toward the floor ahead of need
+        self._floor_refused = False  # the daemon had no memory to spare for the floor, last asked
         self._report_at = 0.0  # no heartbeat before this, unless a whole HEARTBEAT_S passed
         self._active = False  # the engine stepped since the last heartbeat
 
@@ -89,11 +119,11 @@ class PoolAgent:
         """Wake the agent now (spare pages to return, a hook changed)."""
         self._wake.set()
 
-    def grow_due(self) -> bool:
-        """Whether a grow-ahead may be tried now: not while backing off after a refusal (the
-        agent wakes by itself when the wait ends; a nudge before would only steal the engine's
-        cores). O(1), no lock."""
-        return time.monotonic() >= self._probe_at
+    def grow_due(self, floor: bool = False) -> bool:
+        """Whether a grow toward the reserve (``floor``: toward the floor) may be tried now: not
+        while backing off after a refusal (the agent wakes by itself when the wait ends; a nudge
+        before would only steal the engine's cores). O(1), no lock."""
+        return (self.floor_backoff if floor else self.reserve_backoff).due(time.monotonic())
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -107,6 +137,8 @@ class PoolAgent:
                 self._guarded(self._handle, notice)
             if not self._stopping:
                 self._guarded(self._housekeep)
+            if not self._stopping and self._floor_refused:
+                self._guarded(self._floor_from_cache)
 
     def _wait_s(self) -> float:
         """Until the next heartbeat, or the next grow-ahead try or held-back report when one is
@@ -114,7 +146,9 @@ class PoolAgent:
         heartbeat)."""
         now = time.monotonic()
         wait_s = HEARTBEAT_S
-        for due_s in (self._probe_at - now, self._report_at - now if self._report_pending() else 0.0):
+        dues = (self.reserve_backoff.at - now, self.floor_backoff.at - now,
+                self._report_at - now if self._report_pending() else 0.0)
+        for due_s in dues:
             if 0.0 < due_s < wait_s:
                 wait_s = due_s
         return wait_s
@@ -139,7 +173,11 @@ class PoolAgent:
         if core.state.ended:
             return
         if isinstance(notice, ReclaimNotice):
-            self._reclaim(notice.num_pages)
+            self._reclaim(notice.num_pages, notice.urgent)
+        elif isinstance(notice, FreeNotice):
+            with core.lock:
+                core.refused_at = float("-inf")
+            self.reserve_backoff.reset()
         elif isinstance(notice, SleepNotice):
             sleep_pool(core, notice)
         elif isinstance(notice, WakeNotice):
@@ -154,14 +192,14 @@ class PoolAgent:
         elif isinstance(notice, ShutdownNotice):
             log.info("pool %s: the daemon is stopping; serving from the pages mapped", core.name)
 
-    def _reclaim(self, wanted: int) -> None:
+    def _reclaim(self, wanted: int, urgent: bool) -> None:
         core = self.core
         returned = core.return_spare(wanted)
         hook = core.reclaim_hook
         if returned < wanted and hook is not None:
             hook((wanted - returned) * core.allocator.blocks_per_page)  # cache-only pages next
             returned += core.return_spare(wanted - returned)
-        if returned < wanted:
+        if returned < wanted and urgent:
             with core.lock:  # the rest go back as their blocks are freed
                 core.owed_pages = max(core.owed_pages, wanted - returned)
         log.info("pool %s: returned %d of %d page(s) on request", core.name, returned, wanted)
@@ -180,27 +218,38 @@ class PoolAgent:
         if core.lease.lost.is_set():
             self._detached()
             return
-        probe = time.monotonic() >= self._probe_at
-        ahead = True
         with core.lock:
             if core.state is PoolState.ACTIVE:
                 core.adopt_late_grants()
-                if probe:
-                    ahead = core.grow_ahead()
+                self._grow_ahead()
                 core.return_excess()
             core.retry_returns()
             report = self._report()
-        if probe and ahead:
-            self._retry_s, self._probe_at = GROW_RETRY_S, 0.0
-        elif probe:  # refused: back off, whatever wakes the agent meanwhile (notices, keep_free)
-            self._probe_at = time.monotonic() + self._retry_s
-            self._retry_s = min(GROW_RETRY_MAX_S, 2 * self._retry_s)
         self._active, core.active = self._active or core.active, False
         now = time.monotonic()
         urgent = self._reported is None or report[1] != self._reported[1]  # sleepable: told at once
         if urgent or ((report != self._reported or self._active) and now >= self._report_at):
             core.lease.heartbeat(used_bytes=report[0], sleepable=report[1], active=self._active)
             self._reported, self._active, self._report_at = report, False, now + REPORT_MIN_S
+
+    def _grow_ahead(self) -> None:
+        """The reserve, then (once it is mapped) the floor, each unless backing off (lock held);
+        a refusal backs off, whatever wakes the agent meanwhile (``keep_free``, most notices)."""
+        core, now = self.core, time.monotonic()
+        if self.reserve_backoff.due(now):
+            self.reserve_backoff.note(core.grow_reserve(), now)
+        if core.reserve_mapped() and self.floor_backoff.due(now):
+            granted = core.grow_floor()
+            self.floor_backoff.note(granted, now)
+            self._floor_refused = not granted
+
+    def _floor_from_cache(self) -> None:
+        """Evict the engine's cache-only blocks (its reclaim hook, without the lock: the hook
+        takes the engine's locks) until the floor is free, as far as the cache allows."""
+        core, hook = self.core, self.core.reclaim_hook
+        missing = min(core.ahead_blocks, core.allocator.num_blocks) - core.allocator.num_free
+        if hook is not None and missing > 0 and core.state is PoolState.ACTIVE:
+            hook(missing)
 
     def _detached(self) -> None:
         """The daemon is gone: keep serving what is mapped; move to a new daemon once one answers."""

@@ -9,9 +9,12 @@ page move goes through here, under the lock:
   is asked for at least the pages needed and at most that plus prefetch, never
   past the limit the pool knows (refused locally, no round trip). A grow whose
   reply came late is adopted here (mapped as spare pages) before asking again.
-- ``grow_ahead``: the agent maps pages in the background until
+- ``grow_reserve`` / ``grow_floor``: the agent maps pages in the background until
   ``reserve_blocks`` blocks are free (the engine's ``keep_free``: what its
-  next steps will take), so the engine's allocations find them mapped;
+  next steps will take), so the engine's allocations find them mapped; then,
+  *ahead of need*, until ``ahead_blocks`` are free (the engine's floor for
+  requests that may arrive: the daemon grants those only from memory nobody
+  needs, and a reclaim takes them like spare pages);
 - ``return_excess``: spare pages past ``num_spare_pages`` (or ``spare_blocks``), and pages owed after
   a lowered limit or a reclaim, are unmapped and given back (the agent runs
   it, not the engine), never so many that fewer than ``reserve_blocks`` stay
@@ -51,10 +54,12 @@ from kvdaemon.errors import (
 )
 
 log = logging.getLogger("kvdaemon.client.pool")
-REFUSED_S = 0.25
+REFUSED_S = 1.0
 """After the daemon refused a grow for want of memory, a grow that may not wait of a pool
-with a reserve (an engine's: its agent probes for the reserve, backing off) is refused
-here, without a round trip, until a grow succeeds again or this long has passed."""
+the agent maps ahead for (an engine's: its agent probes, backing off) is refused here,
+without a round trip, until a grow succeeds again, the daemon says pages are free for it
+(``free`` notice), or this long has passed (the daemon's ``STARVED_S``: as long as it
+counts the pool short and so tells it)."""
 
 
 class PoolCore:
@@ -82,7 +87,9 @@ class PoolCore:
         self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed
         self.reserve_blocks = 0  # kept free and mapped for the engine's next steps (``keep_free``)
         self.spare_blocks = 0  # spare kept past ``num_spare_pages`` until asked for (``keep_free``)
+        self.ahead_blocks = 0  # mapped ahead of need, kept until asked for (``keep_free``)
         self.refused_at = float("-inf")  # when the daemon last had no memory for a grow
+        self.refused_pages = 0  # ... of how many logical pages (smaller grows still ask)
         self.pending_return: set[int] = set()  # unmapped here, shrink not yet confirmed
         self.num_block_losses = 0  # times every block was dropped (cold sleep, empty restart)
         self.active = False  # the engine stepped since the last heartbeat (``note_activity``)
@@ -127,24 +134,33 @@ class PoolCore:
 
     # -- growing (lock held) -----------------------------------------------------
 
-    def grow_for(self, num_blocks: int, wait_s: float | None = None, probe: bool = False) -> None:
+    def grow_for(
+        self, num_blocks: int, wait_s: float | None = None, probe: bool = False, ahead: bool = False
+    ) -> None:
         """Map pages until ``num_blocks`` blocks are free; ``PoolExhausted`` when it cannot.
 
         ``wait_s``: how long the daemon may wait for other tenants' pages
-        (default ``grow_wait_s``). A grow that may not wait, of a pool with a
-        reserve, is refused here after a refusal of the daemon until a grow
-        succeeds again (the agent's ``probe``, which takes whatever the daemon
-        has, at least one page, in one round trip) or ``REFUSED_S`` passed. Raises ``DaemonUnreachable`` (``NoReply``
-        when the daemon holds its directory but is slow: the grow stays
-        outstanding), ``Asleep``, ``PoolClosed``. Nothing is allocated here.
+        (default ``grow_wait_s``). A grow that may not wait, of a pool the
+        agent maps ahead for (a reserve or a floor), is refused here after a
+        refusal of the daemon of as many pages or fewer, until a grow succeeds
+        again (the agent's ``probe``, which takes whatever the daemon has, at
+        least one page, in one round trip), a ``free`` notice, or ``REFUSED_S``
+        passed. ``ahead``: a probe for pages
+        ahead of need (``Lease.grow``); its refusal says nothing of real need,
+        so it refuses nothing here later. Raises ``DaemonUnreachable``
+        (``NoReply`` when the daemon holds its directory but is slow: the grow
+        stays outstanding), ``Asleep``, ``PoolClosed``. Nothing is allocated here.
         """
         self.adopt_late_grants()
         wait = self.grow_wait_s if wait_s is None else wait_s
+        probe = probe or ahead
+        mapped_ahead = self.reserve_blocks or self.ahead_blocks
         while num_blocks > self.allocator.num_free:
             self.check_can_grow()
-            if wait == 0 and not probe and self.reserve_blocks and time.monotonic() - self.refused_at < REFUSED_S:
-                raise PoolExhausted(f"pool {self.name!r}: the daemon had no memory free just now")
             needed = -(-(num_blocks - self.allocator.num_free) // self.allocator.blocks_per_page)
+            if (wait == 0 and not probe and mapped_ahead and needed >= self.refused_pages
+                    and time.monotonic() - self.refused_at < REFUSED_S):  # fmt: skip
+                raise PoolExhausted(f"pool {self.name!r}: the daemon had no memory free just now")
             skip = self.lease.in_flight | self.pending_return
             candidates = self.allocator.unmapped_pages(needed + self.num_prefetch_pages, skip)
             if probe:  # ahead of need: what the limit and the virtual range allow, maybe nothing
@@ -165,9 +181,10 @@ class PoolCore:
             del candidates[headroom:]
             try:
                 with self.lock.open_gate():  # candidates stay unmapped: only lock holders map
-                    granted = self.lease.grow(candidates, wait, min_pages=1 if probe else needed)
+                    granted = self.lease.grow(candidates, wait, min_pages=1 if probe else needed, ahead=ahead)
             except NoMemory as exc:
-                self.refused_at = time.monotonic()
+                if not ahead:
+                    self.refused_at, self.refused_pages = time.monotonic(), needed
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
             except OverLimit as exc:
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
@@ -177,20 +194,29 @@ class PoolCore:
             if probe:
                 return  # what the daemon had; the agent asks again when the engine needs more
 
-    def grow_ahead(self) -> bool:
-        """Map pages until ``reserve_blocks`` are free, if the daemon has them now (lock held).
+    def grow_reserve(self) -> bool:
+        """Map pages until ``reserve_blocks`` are free, as far as the daemon has them now (lock
+        held). False when it had none: it has asked other tenants for pages, and tells this
+        pool when they are free (``free`` notice)."""
+        return self._grow_to(self.reserve_blocks, ahead=False)
 
-        False when it could not (no memory free: the daemon has asked other
-        tenants for pages, so a later try may succeed).
-        """
-        want = min(self.reserve_blocks, self.allocator.num_blocks)
+    def grow_floor(self) -> bool:
+        """Map pages until ``ahead_blocks`` are free, ahead of need (lock held): False when the
+        daemon has no memory to spare (it asks nobody for these)."""
+        return self._grow_to(self.ahead_blocks, ahead=True)
+
+    def _grow_to(self, num_blocks: int, ahead: bool) -> bool:
+        want = min(num_blocks, self.allocator.num_blocks)
         if self.cell.state is not PoolState.ACTIVE or want <= self.allocator.num_free:
             return True
         try:
-            self.grow_for(want, wait_s=0, probe=True)
+            self.grow_for(want, wait_s=0, probe=True, ahead=ahead)  # one round trip: what it has
         except PoolExhausted:
             return False
         return True
+
+    def reserve_mapped(self) -> bool:
+        return self.allocator.num_free >= min(self.reserve_blocks, self.allocator.num_blocks)
 
     def num_returnable(self, spare: list[int]) -> int:
         """How many of ``spare`` (spare pages) may go without leaving fewer than
@@ -249,8 +275,9 @@ class PoolCore:
 
     def spare_allowance(self) -> int:
         """Spare pages the agent's tick leaves mapped: ``num_spare_pages``, or more to hold
-        ``spare_blocks`` blocks."""
-        return max(self.num_spare_pages, -(-self.spare_blocks // self.allocator.blocks_per_page))
+        ``spare_blocks`` (or ``ahead_blocks``) blocks."""
+        kept = max(self.spare_blocks, self.ahead_blocks)
+        return max(self.num_spare_pages, -(-kept // self.allocator.blocks_per_page))
 
     def return_excess(self) -> int:
         """Give back spare pages past ``num_spare_pages`` (logical page 0, kept, counts

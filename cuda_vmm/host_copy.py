@@ -4,8 +4,8 @@ A warm sleep moves every page of a tenant between its pages and a host buffer.
 One thread copying runs well below what the memory can do, and fresh memory
 is faulted in 4 KiB at a time on first touch. The helpers here:
 
-- ``populate(addr, size)``: back a range before copying into it, in one
-  ``madvise(MADV_POPULATE_WRITE)`` (the kernel fills it in bulk, far faster
+- ``populate(addr, size)`` / ``populate_ranges``: back ranges before copying
+  into them, by ``madvise(MADV_POPULATE_WRITE)`` (the kernel fills it in bulk, far faster
   than a page fault per 4 KiB in the middle of a copy); a no-op where the
   kernel lacks it (before Linux 5.14);
 - ``copy_ranges(moves)``: each ``(dst, src, size)`` by ``memmove``, cut into
@@ -41,7 +41,12 @@ def num_copy_threads() -> int:
 def populate(addr: int, size_bytes: int) -> bool:
     """Back ``[addr, addr + size)`` (page-aligned) for writing, on several threads; False where
     the kernel cannot (the copy then faults the memory in itself)."""
-    pieces = _pieces([(addr, addr, size_bytes)])
+    return populate_ranges([(addr, size_bytes)])
+
+
+def populate_ranges(ranges: list[tuple[int, int]]) -> bool:
+    """``populate`` of every ``(addr, size)``, all of them shared out over the threads at once."""
+    pieces = _pieces([(addr, addr, size) for addr, size in ranges])
     done = [True]
 
     def share(part: list[Move]) -> None:

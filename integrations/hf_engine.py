@@ -39,7 +39,9 @@ Guarantees:
   tenants (``grow_wait_s``, default 0): a step never stalls on the daemon.
   After each step the pool is told what the next one will take
   (``keep_free``): it maps that ahead in the background, so prefills rarely
-  wait for a grow, and a reclaim never takes it.
+  wait for a grow, and a reclaim never takes it. While work is unfinished a
+  budget's worth more is mapped ahead of need (for requests arriving before
+  the next step) where memory is plentiful; a reclaim takes that floor.
 
 The model runs with ``hf_attention.ATTENTION_NAME`` inside the engine's
 forwards only: between steps it is unchanged (its own ``generate`` works). The
@@ -109,7 +111,8 @@ class Engine:
         self.attention_impl = attention_impl
         self.stop_token_ids = frozenset(_default_stops(model) if stop_token_ids is None else stop_token_ids)
         self.manager = BlockManager(pool, enable_prefix_cache=enable_prefix_cache)
-        self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs)
+        self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs,
+                                   owed_blocks=lambda: pool.owed_pages * pool.blocks_per_page)
         self.max_num_tokens = pool.num_blocks * pool.block_size
         self.device = pool.key_cache(0).device
         self.num_steps = 0
@@ -118,7 +121,7 @@ class Engine:
         self.last_num_scheduled_tokens = 0
         self._next_request_id = 0
         self._step_lock = StepGate()  # held by a step, and from quiesce to resume; quiesce first
-        self._reserve = (0, 0)  # what the pool was last told to keep free, and spare
+        self._reserve = (0, 0, 0)  # what the pool was last told to keep free, spare and ahead
         self._num_block_losses = pool.num_block_losses
         self._caches = (
             [pool.key_cache(i) for i in range(pool.spec.num_layers)],
@@ -218,12 +221,14 @@ class Engine:
 
     def _keep_free(self, num_blocks: int) -> None:
         """Tell the pool what the next step will take (it maps that ahead, in the background),
-        and that a budget's worth of spare pages may stay mapped while nobody needs them."""
-        spare = 0 if self._closed else -(-self.scheduler.max_num_batched_tokens // self.pool.block_size)
-        num_blocks, spare = min(num_blocks, self.pool.num_blocks), min(spare, self.pool.num_blocks)
-        if (num_blocks, spare) != self._reserve:
-            self._reserve = (num_blocks, spare)
-            self.pool.keep_free(num_blocks, spare)
+        that a budget's worth of spare pages may stay mapped while nobody needs them, and,
+        while work is unfinished, that a budget's worth may be mapped ahead of need."""
+        budget = 0 if self._closed else min(self.scheduler.budget_blocks, self.pool.num_blocks)
+        ahead = budget if self.scheduler.has_work else 0
+        reserve = (min(num_blocks, self.pool.num_blocks), budget, ahead)
+        if reserve != self._reserve:
+            self._reserve = reserve
+            self.pool.keep_free(*reserve)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *, stall_timeout_s: float = 30.0

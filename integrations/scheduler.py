@@ -10,7 +10,10 @@ Every step, under a budget of ``max_num_batched_tokens`` new tokens:
    prefix cache and only the uncached part is computed, chunked the same way.
    A request joins only if, besides its prompt's blocks, one more block per
    running request could be taken (decode headroom, like vLLM's watermark):
-   admitting up to the last free block would make the next decodes preempt.
+   admitting up to the last free block would make the next decodes preempt;
+   and the blocks the pool owes back (``owed_blocks``: pages the daemon asked
+   for another tenant's need) could be taken too, so they go back as running
+   requests free them instead of into new requests.
 
 Blocks for the tokens a step computes are taken before the forward. When the
 pool cannot give them (``PoolExhausted``) for a running request, the youngest
@@ -33,6 +36,7 @@ per-block work.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvdaemon.client.block_manager import BlockManager
@@ -61,13 +65,17 @@ class Batch:
 class Scheduler:
     """Waiting and running queues over a ``BlockManager``; see the module docstring."""
 
-    def __init__(self, manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+        owed_blocks: Callable[[], int] = lambda: 0,
+    ) -> None:
         for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise BadRequest(f"{name} must be a positive integer, got {value!r}")
         self.manager = manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.owed_blocks = owed_blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -115,9 +123,9 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.manager.num_cached_tokens(request.token_ids)
             end = cached + min(request.num_tokens - cached, budget)
-            try:  # admitted only with a block to spare for each running request's next decodes
+            try:  # admitted only with a block to spare for each running request, and what is owed
                 computed = self.manager.add_sequence(request.request_id, request.token_ids[:end],
-                                                     headroom_blocks=len(self.running))
+                                                     headroom_blocks=len(self.running) + self.owed_blocks())
             except (PoolExhausted, *TRANSIENT):
                 return  # it waits; the pool may have room at a later step
             self.waiting.popleft()
@@ -143,11 +151,11 @@ class Scheduler:
         return finished
 
     def blocks_needed_next(self) -> int:
-        """Blocks the next step will likely take: each running request's next tokens (a
-        decode, or the rest of a prefill within the budget), then the prompts of the
-        waiting requests the budget left would admit (cache hits not counted); while any
-        request is unfinished, at least a full budget's worth (requests arriving before
-        the next step). O(requests the budget covers)."""
+        """Blocks the next step will take: each running request's next tokens (a decode,
+        or the rest of a prefill within the budget), then the prompts of the waiting
+        requests the budget left would admit (cache hits not counted). Requests that may
+        arrive before it are the engine's floor ahead of need (``budget_blocks``), not
+        counted here. O(requests the budget covers)."""
         size, budget, need = self.manager.block_size, self.max_num_batched_tokens, 0
         for request in self.running:
             if budget <= 0:
@@ -161,9 +169,12 @@ class Scheduler:
             tokens = min(request.num_tokens + 1, budget)
             need += -(-tokens // size)
             budget -= tokens
-        if self.has_work:
-            need = max(need, -(-self.max_num_batched_tokens // size))
         return need
+
+    @property
+    def budget_blocks(self) -> int:
+        """Blocks one full step's budget of new tokens takes."""
+        return -(-self.max_num_batched_tokens // self.manager.block_size)
 
     # -- preemption and removal ----------------------------------------------------
 

@@ -4,7 +4,9 @@
 ``min_pages``: it checks everything first (state, lease, pages already held),
 then grants the first n candidates, where n is as many as the tenant's limit
 and the free pages allow, or raises (``OverLimit``/``NoMemory``, nothing
-changed) when that is fewer than ``min_pages``. A grant takes one physical page
+changed) when that is fewer than ``min_pages``. A grow *ahead of need*
+(``ahead``: a pool mapping its engine's speculative floor) may take only the
+free pages ``Shares.free_for_ahead`` leaves it. A grant takes one physical page
 per segment for each logical page, exports them in frames of at most
 ``MAX_FDS_PER_FRAME`` pages and queues the frames to the tenant before the
 reply goes out. ``shrink`` gives pages back. Each succeeds whole or changes
@@ -48,10 +50,12 @@ class Grants:
         self.on_shrink = on_shrink
         self._next_grant_id = 1
 
-    def grow(self, tenant: Tenant, candidates: list[int], min_pages: int, now: float) -> dict[str, Any]:
+    def grow(
+        self, tenant: Tenant, candidates: list[int], min_pages: int, now: float, ahead: bool = False
+    ) -> dict[str, Any]:
         """Grant the first n of ``candidates``, ``min_pages <= n``, as many as fit; or raise."""
         started = time.perf_counter()
-        num_pages = self.num_grantable(tenant, candidates, min_pages, now)
+        num_pages = self.num_grantable(tenant, candidates, min_pages, now, ahead)
         result = self.grant(tenant, candidates[:num_pages], now)
         tenant.note_grown(num_pages)
         if self.on_grant is not None:
@@ -87,13 +91,17 @@ class Grants:
             "max_bytes": tenant.max_bytes,
         }
 
-    def num_grantable(self, tenant: Tenant, candidates: list[int], min_pages: int, now: float) -> int:
+    def num_grantable(
+        self, tenant: Tenant, candidates: list[int], min_pages: int, now: float, ahead: bool = False
+    ) -> int:
         """How many of ``candidates`` a grow may grant now, at least ``min_pages``; else raise.
 
         ``OverLimit`` when the tenant's limit allows fewer than ``min_pages``,
         ``NoMemory`` when the free pages do (less those held for short tenants
-        below their share, ``Shares.free_for``, past this tenant's own share); ``Asleep``/``Conflict``/``BadRequest``
-        for a tenant that may not grow or pages it already holds.
+        below their share, ``Shares.free_for``, past this tenant's own share;
+        ``ahead``: less the low-water pages too, ``Shares.free_for_ahead``);
+        ``Asleep``/``Conflict``/``BadRequest`` for a tenant that may not grow or
+        pages it already holds.
         """
         if tenant.state is not TenantState.ACTIVE:
             raise Asleep(f"tenant {tenant.name!r} is {tenant.state.value}; wake it first")
@@ -112,11 +120,17 @@ class Grants:
                 f"{tenant.max_bytes}"
             )
         num_free = self.pages.num_free
-        if self.shares is not None:
+        if self.shares is not None and ahead:
+            num_free = self.shares.free_for_ahead(tenant, num_free, now)
+        elif self.shares is not None:
             num_free = self.shares.free_for(tenant, num_free, now)
         by_free = num_free // tenant.spec.num_segments
         if by_free < min_pages:
-            held = "" if num_free == self.pages.num_free else f" ({self.pages.num_free - num_free} held for tenants short below their share)"
+            held = ""
+            if ahead:
+                held = " (a grow ahead of need takes none of the low-water pages nor those held for short tenants)"
+            elif num_free != self.pages.num_free:
+                held = f" ({self.pages.num_free - num_free} held for tenants short below their share)"
             raise NoMemory(
                 f"{min_pages} logical page(s) need {min_pages * tenant.spec.num_segments} "
                 f"pages, {self.pages.num_free} free{held}"

@@ -20,7 +20,10 @@ the pages are free and no grow is parked, the daemon asks the tenants holding
 the most above their ``min_bytes`` (per unit of weight) for what is missing, at
 most once per ``ASK_AHEAD_S``. A pool gives spare pages and cache-only pages,
 never the reserve its engine's next step needs, so a burst starting later finds
-free pages instead of waiting for other tenants' caches to shrink.
+free pages instead of waiting for other tenants' caches to shrink. Such an ask
+is not ``urgent``: a pool gives what it can now and owes nothing, while an ask
+for a grow's real need is, and what a victim cannot give at once it owes
+(returned as its blocks free; its engine admits no new request into them).
 
 A grow with ``wait_s == 0`` is never parked: the victims are asked (step 1) so
 that pages come back for a later grow, and the grow fails at once with
@@ -34,7 +37,13 @@ cannot keep more than its share by it). Nothing here takes a page from a
 tenant: tenants give pages back themselves, or sleep. Logical page 0 of a
 tenant is never counted as reclaimable (pools keep it mapped).
 
-Cost: O(tenants) per parked grow per retry.
+Pages back (``tell_free``, after every request and tick): a tenant refused
+pages for its real need in the last ``STARVED_S`` is sent one ``free`` notice
+once the grow it was refused would fit in the pages free for it
+(``Shares.free_for``), so it asks again at once instead of on its back-off;
+another refusal arms it again.
+
+Cost: O(tenants) per parked grow per retry, and per ``tell_free``.
 """
 
 from __future__ import annotations
@@ -47,15 +56,15 @@ from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.device_pages import DevicePages
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reply import PendingReply
-from kvdaemon.daemon.shares import Shares
+from kvdaemon.daemon.shares import LOW_WATER, Shares
 from kvdaemon.daemon.sleep import Sleeper
 from kvdaemon.daemon.tenant import Tenant, Tenants, TenantState
 from kvdaemon.errors import KVDaemonError, NoMemory, UnknownTenant
-from kvdaemon.wire.messages import ReclaimNotice
+from kvdaemon.wire.messages import FreeNotice, ReclaimNotice
 
 log = logging.getLogger("kvdaemon.reclaim")
-LOW_WATER = 0.1  # the fraction of the pages the daemon keeps free by asking idle memory back
 ASK_AHEAD_S = 0.25  # at most one such ask per this interval
+ASK_REPEAT_S = 1.0  # a victim still owing an ask this recent is not sent the same ask again
 
 
 @dataclass
@@ -115,15 +124,18 @@ class Reclaimer:
     def _short(self, tenant: Tenant, min_pages: int) -> int:
         return min_pages * tenant.spec.num_segments - self.pages.num_free
 
-    def _ask(self, victims: list[tuple[Tenant, int]], short: int, stop_when_covered: bool) -> None:
-        """Send reclaim notices for ``short`` pages, best victim first."""
+    def _ask(
+        self, victims: list[tuple[Tenant, int]], short: int, stop_when_covered: bool, urgent: bool = True
+    ) -> None:
+        """Send reclaim notices for ``short`` pages, best victim first (``urgent``: for a real
+        need, what a victim cannot give now it owes; else only what it can give now)."""
         remaining = short
         for victim, pages_above_min in victims:
             if remaining <= 0 and stop_when_covered:
                 return
             ask = min(pages_above_min, max(remaining, 1))
             num_logical = -(-ask // victim.spec.num_segments)
-            notify(self.leases, victim.tenant_id, ReclaimNotice(num_logical))
+            notify(self.leases, victim.tenant_id, ReclaimNotice(num_logical, urgent))
             self.num_reclaim_requests += 1
             remaining -= num_logical * victim.spec.num_segments
 
@@ -135,8 +147,23 @@ class Reclaimer:
         self._next_ask_ahead = now + ASK_AHEAD_S
         victims = self._victims(None, now)
         if victims:
-            self._ask(victims, short, stop_when_covered=True)
+            self._ask(victims, short, stop_when_covered=True, urgent=False)
             self.num_asks_ahead += 1
+
+    def tell_free(self, now: float) -> None:
+        """Tell each short tenant, once per refusal, that pages are free for it again."""
+        num_free = self.pages.num_free
+        if not num_free:
+            return
+        for t in self.tenants:
+            if t.told_free_at >= t.starved_at or not self.shares.is_short(t, now):
+                continue
+            if t.state is not TenantState.ACTIVE or not t.leased:
+                continue
+            free = self.shares.free_for(t, num_free, now)
+            if free >= t.starved_pages:
+                t.told_free_at = now
+                notify(self.leases, t.tenant_id, FreeNotice(free))
 
     def _victims(self, requester: Tenant | None, now: float) -> list[tuple[Tenant, int]]:
         """Other active tenants with pages above ``min_bytes`` (a tenant short itself,

@@ -136,6 +136,7 @@ class Service:
                 raise UnknownOp(f"unknown op {op[:64]!r}")
             with self.lock:
                 result = handler(Args(message.get("args")), Call(routing_id, request_id, sink))
+                self.reclaimer.tell_free(self.clock())  # a shrink or a leaver may have freed pages
             return None if isinstance(result, PendingReply) else reply_ok(request_id, result)
         except KVDaemonError as exc:
             return reply_error(request_id, exc)
@@ -223,13 +224,17 @@ class Service:
             raise BadRequest("field 'logical_pages' is empty")
         min_pages = args.int("min_pages", 1, len(candidates), default=len(candidates))
         wait_s = args.float("wait_s", 0.0, self.reclaimer.wait_s, default=self.reclaimer.wait_s)
+        ahead = args.bool("ahead")  # speculative: no reclaim, no waiting, not short for it
         now = self.clock()
         try:
-            return self.grants.grow(tenant, candidates, min_pages, now)
+            return self.grants.grow(tenant, candidates, min_pages, now, ahead)
         except OverLimit as exc:
-            tenant.note_refused(exc.code, min_pages, self.pages.free_bytes)
+            if not ahead:
+                tenant.note_refused(exc.code, min_pages, self.pages.free_bytes)
             raise
         except NoMemory as exc:
+            if ahead:
+                raise
             waiter = call.defer()
             if self.reclaimer.park(tenant, candidates, min_pages, waiter, wait_s, now):
                 return waiter  # answered by ``tick`` once pages come back, or NO_MEMORY
@@ -338,6 +343,7 @@ class Service:
         self.sleeper.expire(now)
         self.pages.trim(now)
         self.reclaimer.retry(now)
+        self.reclaimer.tell_free(now)
         self.reclaimer.ask_ahead(now)
         if self.config.idle_sleep_s is not None:
             self.sleeper.sleep_idle(now, self.config.idle_sleep_s, self.config.idle_mode)

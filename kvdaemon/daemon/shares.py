@@ -19,6 +19,11 @@ Two rules follow, both about pages a short tenant below its share is owed:
   reclaim brought back for a short tenant therefore reach it, not the next
   busy tenant that grows ahead.
 
+Grows *ahead of need* (``free_for_ahead``: a pool mapping its engine's
+speculative floor) take only what is free above ``LOW_WATER`` of the pages
+after both rules: speculation never eats the free pages a burst of real need
+finds first, and never takes what ``ask_ahead`` asked other tenants to give.
+
 Invariants: a tenant within its share is never refused for another's
 shortage; nothing here maps or unmaps. Cost: O(tenants) per call.
 """
@@ -30,6 +35,7 @@ from collections.abc import Iterable
 from kvdaemon.daemon.tenant import Tenant, TenantState
 
 STARVED_S = 1.0  # a tenant refused pages this recently is short
+LOW_WATER = 0.1  # the fraction of the pages kept free: asked back from idle holders, never speculated on
 
 
 def held_pages(tenant: Tenant) -> int:
@@ -72,6 +78,15 @@ class Shares:
             return num_free
         room = max(0, self.share_of(tenant, total) - held_pages(tenant))
         return min(num_free, max(room, num_free - owed))
+
+    def free_for_ahead(self, tenant: Tenant, num_free: int, now: float) -> int:
+        """Free physical pages a grow *ahead of need* may take: ``free_for`` less the
+        ``LOW_WATER`` pages kept free for real need."""
+        return max(0, self.free_for(tenant, num_free, now) - self.low_water_pages)
+
+    @property
+    def low_water_pages(self) -> int:
+        return int(self.num_pages * LOW_WATER)
 
     def _active(self) -> list[Tenant]:
         return [t for t in self.tenants if t.state is TenantState.ACTIVE and t.leased]

@@ -12,8 +12,10 @@ register      name, spec, num_virtual_pages, max_bytes?, min_bytes, weight, pid,
               sleepable -> tenant_id, token, page_size, num_segments, limit (a
               ``LimitNotice`` map)
 grow          tenant, token, logical_pages (candidates, in order), min_pages?,
-              wait_s? -> grant_id, pages [[lp, [page ids]]] (``min_pages`` <= n <=
-              len(logical_pages), the first n candidates), max_bytes
+              wait_s?, ahead? (ahead of need: only pages free above the low-water
+              mark, no reclaim, no wait) -> grant_id, pages [[lp, [page ids]]]
+              (``min_pages`` <= n <= len(logical_pages), the first n candidates),
+              max_bytes
 shrink        tenant, token, logical_pages -> num_released, mapped_bytes
 heartbeat     tenant, token, used_bytes?, sleepable?, active? -> state, max_bytes, free_bytes
 unregister    tenant, token -> num_released
@@ -62,13 +64,32 @@ class Notice:
 
 @dataclass(frozen=True)
 class ReclaimNotice(Notice):
-    """Give back up to ``num_pages`` logical pages (spare first, then cache-only)."""
+    """Give back up to ``num_pages`` logical pages (spare first, then cache-only).
+
+    ``urgent`` (another tenant's real need, or a lowered limit): what cannot go
+    now is *owed*, returned as its blocks are freed, and the engine admits no
+    new request into it. Not urgent (the daemon keeping memory free ahead of
+    need): only what can go now."""
 
     kind: ClassVar[str] = "reclaim"
     num_pages: int
+    urgent: bool = True
 
     @classmethod
     def parse(cls, args: Args) -> ReclaimNotice:
+        return cls(args.int("num_pages", 1, MAX_INT), args.bool("urgent", True))
+
+
+@dataclass(frozen=True)
+class FreeNotice(Notice):
+    """Pages are free again since a grow of this tenant was refused: ``num_pages`` physical
+    pages it may take now; ask again (a hint: a grow may still be refused)."""
+
+    kind: ClassVar[str] = "free"
+    num_pages: int
+
+    @classmethod
+    def parse(cls, args: Args) -> FreeNotice:
         return cls(args.int("num_pages", 1, MAX_INT))
 
 
@@ -155,8 +176,8 @@ class ShutdownNotice(Notice):
 
 _NOTICES: dict[str, Any] = {
     cls.kind: cls
-    for cls in (ReclaimNotice, RevokedNotice, SleepNotice, SleepCancelledNotice, WakeNotice,
-                LimitNotice, ShutdownNotice)  # fmt: skip
+    for cls in (ReclaimNotice, FreeNotice, RevokedNotice, SleepNotice, SleepCancelledNotice,
+                WakeNotice, LimitNotice, ShutdownNotice)  # fmt: skip
 }
 
 

@@ -346,7 +346,7 @@ def test_a_pool_whose_daemon_died_after_refusing_it_does_not_spin(
                 hog.alloc(BLOCKS_PER_PAGE)  # the whole device
         pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
         pool.keep_free(2 * BLOCKS_PER_PAGE)  # refused: the agent backs off
-        wait_until(lambda: pool.agent._probe_at > 0, 5, "the agent never backed off")
+        wait_until(lambda: pool.agent.reserve_backoff.at > 0, 5, "the agent never backed off")
         attempts: list[float] = []
         relink = pool.agent.relink
         assert relink is not None

@@ -1,4 +1,5 @@
-"""``keep_free``: the agent maps the engine's next needs ahead, and neither returns nor yields them."""
+"""``keep_free``: the agent maps the engine's next needs ahead and neither returns nor yields them;
+a floor ahead of need it maps only from memory nobody needs, and yields it to a reclaim."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted
+from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted, pool_agent
 from kvdaemon.errors import BadRequest
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
@@ -132,13 +133,15 @@ def test_a_reserve_past_the_limit_maps_up_to_the_limit(kvd: RunningDaemon) -> No
 @pytest.mark.parametrize("count", [-1, 1.5, None, True, 10**15])
 def test_a_bad_reserve_is_refused_and_changes_nothing(kvd: RunningDaemon, count: object) -> None:
     pool = kvd.client().register("a", SPEC)
-    pool.keep_free(2, 3)
+    pool.keep_free(2, 3, 4)
     with pytest.raises(BadRequest):
         pool.keep_free(count)  # type: ignore[arg-type]
     with pytest.raises(BadRequest):
         pool.keep_free(0, count)  # type: ignore[arg-type]
-    assert (pool.core.reserve_blocks, pool.core.spare_blocks) == (2, 3)
-    pool.keep_free(pool.num_blocks, pool.num_blocks)  # the whole virtual range is a valid count
+    with pytest.raises(BadRequest):
+        pool.keep_free(0, 0, count)  # type: ignore[arg-type]
+    assert (pool.core.reserve_blocks, pool.core.spare_blocks, pool.core.ahead_blocks) == (2, 3, 4)
+    pool.keep_free(pool.num_blocks, pool.num_blocks, pool.num_blocks)  # the whole virtual range is valid
     pool.close()
 
 
@@ -167,3 +170,87 @@ def test_a_full_daemon_is_not_asked_again_at_once_while_the_agent_probes(kvd: Ru
     assert len(pool.alloc(2 * BLOCKS_PER_PAGE)) == 2 * BLOCKS_PER_PAGE
     pool.close()
     hog.close()
+
+
+def test_the_floor_is_mapped_ahead_and_a_reclaim_takes_it_until_memory_is_free(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    pool.keep_free(0, 0, 3 * BLOCKS_PER_PAGE)  # an engine with work: a floor ahead of need, no reserve
+    wait_until(lambda: mapped(client, "a") == 3 * LOGICAL, 10, "the floor was never mapped ahead")
+    other = client.register("other", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=2.0)
+    held = other.alloc(6 * BLOCKS_PER_PAGE)  # five free: one more comes from a's floor
+    assert mapped(client, "a") == 2 * LOGICAL
+    time.sleep(1.2)  # the agent probes for its floor meanwhile: no memory is free above the low water
+    assert mapped(client, "a") == 2 * LOGICAL and mapped(client, "other") == 6 * LOGICAL
+    kvd.check_invariants()
+    other.free(held)
+    other.close()
+    wait_until(lambda: mapped(client, "a") == 3 * LOGICAL, 10, "the floor was not mapped again once memory was free")
+    pool.close()
+
+
+def test_a_refused_floor_does_not_refuse_the_engines_own_grow(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    hog, held = occupy(client, 7)  # one logical page free: under the low water for speculation
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
+    pool.keep_free(0, 0, 2 * BLOCKS_PER_PAGE)
+    time.sleep(0.3)  # the agent's floor probes are refused
+    assert mapped(client, "a") == 0
+    assert len(pool.alloc(BLOCKS_PER_PAGE)) == BLOCKS_PER_PAGE, "real need gets the last page"
+    assert next(t for t in client.status()["tenants"] if t["name"] == "a")["refused_grows"] == 0
+    pool.close()
+    hog.free(held)
+    hog.close()
+
+
+def test_a_free_notice_ends_the_agents_back_off(kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_agent, "GROW_RETRY_S", 60.0)  # without the notice: no probe within the test
+    monkeypatch.setattr(pool_agent, "GROW_RETRY_MAX_S", 60.0)
+    client = kvd.client()
+    hog, held = occupy(client, 8)  # the whole device
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
+    pool.keep_free(2 * BLOCKS_PER_PAGE)  # refused: the agent backs off for a minute
+    wait_until(lambda: pool.agent.reserve_backoff.at > time.monotonic() + 30, 10, "the probe was never refused")
+    hog.free(held)  # hog's agent returns its pages: the daemon tells a
+    wait_until(lambda: pool.num_free_blocks >= 2 * BLOCKS_PER_PAGE, 10, "the agent waited out its back-off")
+    pool.close()
+    hog.close()
+
+
+def test_the_floor_comes_from_the_engines_own_cache_when_the_daemon_has_none_to_spare(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    hog, held = occupy(client, 7)  # one logical page free: under the low water for speculation
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    cached = pool.alloc(BLOCKS_PER_PAGE)  # the daemon is full now: this page holds cache-only blocks
+    asked: list[int] = []
+
+    def evict(num_blocks: int) -> int:  # what BlockManager.evict_cached does: free cached blocks
+        asked.append(num_blocks)
+        gone, cached[:] = cached[:num_blocks], cached[num_blocks:]
+        pool.free(gone)
+        return len(gone)
+
+    pool.reclaim_hook = evict
+    pool.keep_free(0, 0, 2 * BLOCKS_PER_PAGE)  # a floor the daemon cannot spare
+    wait_until(lambda: pool.num_free_blocks >= BLOCKS_PER_PAGE, 10, "the cache was never evicted for the floor")
+    assert asked and asked[0] == 2 * BLOCKS_PER_PAGE
+    assert mapped(client, "a") == LOGICAL, "the emptied page stays mapped: it is the floor"
+    pool.close()
+    hog.free(held)
+    hog.close()
+
+
+def test_an_ask_ahead_of_need_owes_nothing_and_an_ask_for_a_grow_owes_the_rest(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool, held = occupy(client, 8)  # the whole device in live blocks: the daemon asks it ahead of need
+    time.sleep(0.5)  # several ticks of the daemon's ask-ahead
+    assert pool.owed_pages == 0, "an ask ahead of need made the pool owe pages"
+    other = client.register("other", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
+    with pytest.raises(PoolExhausted):
+        other.alloc(BLOCKS_PER_PAGE)  # real need: the hog is asked, and owes what it cannot give
+    wait_until(lambda: pool.owed_pages == 1, 10, "an ask for a grow was not owed")
+    pool.free(held[-BLOCKS_PER_PAGE:])  # a page empties: it goes back
+    wait_until(lambda: pool.owed_pages == 0 and mapped(client, "hog") == 7 * LOGICAL, 10, "the owed page stayed")
+    other.close()
+    pool.free(held[:-BLOCKS_PER_PAGE])
+    pool.close()

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from kvdaemon.cuda_vmm import HostBackend
+from kvdaemon.cuda_vmm import HostBackend, host_copy
 from kvdaemon.errors import BackendError
 
 from .conftest import PAGE_BYTES, make_host
@@ -91,7 +91,7 @@ def test_child_process_shares_the_page(host: HostBackend) -> None:
     result = run_child(
         f"""
         import torch
-        from kvdaemon.cuda_vmm import HostBackend
+        from kvdaemon.cuda_vmm import HostBackend, host_copy
         b = HostBackend(page_size_bytes={PAGE_BYTES})
         b.start()
         page = b.import_page({fd}, 2)
@@ -114,7 +114,7 @@ def test_touching_an_unmapped_page_kills_with_sigsegv() -> None:
     result = run_child(
         f"""
         import torch
-        from kvdaemon.cuda_vmm import HostBackend
+        from kvdaemon.cuda_vmm import HostBackend, host_copy
         b = HostBackend(num_pages=1, page_size_bytes={PAGE_BYTES})
         b.start()
         base = b.reserve({PAGE_BYTES})
@@ -188,6 +188,31 @@ def test_bulk_copies_move_pages_through_a_host_buffer_in_order(host: HostBackend
     back = bytearray(len(pages) * PAGE_BYTES)
     host.copy_out_pages(fresh[::-1], memoryview(back))
     assert back == buffer
+
+
+def test_bulk_copies_back_the_pool_view_once_per_page_life(
+    host: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool view's PTEs are made once per created page: a second copy walks nothing, and a
+    released page (its PTEs gone with the hole) is backed again and reads zero."""
+    backed: list[tuple[int, int]] = []
+    real = host_copy.populate_ranges
+    monkeypatch.setattr(host_copy, "populate_ranges", lambda ranges: backed.extend(ranges) or real(ranges))
+    pages, data = written_pages(host, [0, 1, 3], seed=5)
+    buffer = bytearray(3 * PAGE_BYTES)
+    host.copy_out_pages(pages, memoryview(buffer))
+    assert sum(size for _, size in backed) == 3 * PAGE_BYTES
+    assert len(backed) == 2, "pages 0-1 are one run, page 3 another"
+    backed.clear()
+    host.copy_in_pages(pages, memoryview(buffer))
+    host.copy_out_pages(pages, memoryview(buffer))
+    assert backed == [] and torch.equal(torch.frombuffer(buffer, dtype=torch.uint8), data)
+    host.release_page(pages[1])
+    fresh = host.create_page(1)
+    out = bytearray(PAGE_BYTES)
+    host.copy_out_pages([fresh], memoryview(out))
+    assert sum(size for _, size in backed) == PAGE_BYTES
+    assert out == bytes(PAGE_BYTES), "a re-created page reads zero through the view"
 
 
 def test_bulk_copies_refuse_a_wrong_buffer_and_pages_made_elsewhere(host: HostBackend) -> None:

@@ -143,4 +143,16 @@ def test_blocks_needed_next_covers_what_the_next_step_takes() -> None:
         scheduler.complete(batch, [1] * sampled, 1.0)
     assert scheduler.blocks_needed_next() == 0, "nothing left to run needs nothing"
     scheduler.add(request(99, 1, 1))
-    assert scheduler.blocks_needed_next() == 24 // 4, "a request waiting: a whole budget ahead"
+    assert scheduler.blocks_needed_next() == 1, "a one-token prompt waiting: its one block, no floor"
+    assert scheduler.budget_blocks == 24 // 4
+
+
+def test_no_request_is_admitted_into_blocks_the_pool_owes_back() -> None:
+    owed = [12]
+    pool = LocalPool(SPEC, 16)
+    scheduler = Scheduler(BlockManager(pool), 64, 4, owed_blocks=lambda: owed[0])
+    scheduler.add(request(0, 5 * SPEC.block_size - 1, 2))  # five blocks: fits, but not beside 12 owed
+    assert not scheduler.schedule() and len(scheduler.waiting) == 1
+    assert pool.num_used_blocks == 0, "a refused admission holds nothing"
+    owed[0] = 0
+    assert scheduler.schedule().items and scheduler.running

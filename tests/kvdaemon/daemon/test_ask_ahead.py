@@ -48,3 +48,15 @@ def test_enough_free_pages_ask_nobody(h: Harness) -> None:
     fill(h, {"a": 3, "b": 3})  # 12 of 16: above the low water
     h.tick(1.0)
     assert reclaims(h) == []
+
+
+def test_an_ask_ahead_is_not_urgent_and_an_ask_for_a_grow_is(h: Harness) -> None:
+    fill(h, {"small": 2, "big": 6})
+    h.tick(0.01)
+    asks = [body["args"] for _, body in h.leases.notices if body["notice"] == "reclaim"]
+    assert [a["urgent"] for a in asks] == [False], "keeping the low water free owes nothing"
+    h.ok("shrink", **h.auth("big", h.service.tenants.named("big").token, logical_pages=[5]))
+    small = h.service.tenants.named("small")
+    assert h.error("grow", **h.auth("small", small.token, logical_pages=[2, 3], wait_s=0)) == "NO_MEMORY"
+    asks = [body["args"] for _, body in h.leases.notices if body["notice"] == "reclaim"]
+    assert asks[-1]["urgent"] is True, "a grow's real need is owed"

@@ -1,0 +1,67 @@
+"""``free`` notices: a tenant refused pages is told, once, when the grow it was refused would fit."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvdaemon.daemon.shares import STARVED_S
+
+from tests.kvdaemon.daemon.test_reclaim_share import tokens
+from tests.kvdaemon.daemon.test_service import Harness
+
+
+@pytest.fixture
+def h() -> Iterator[Harness]:
+    harness = Harness()
+    yield harness
+    harness.backend.close()
+
+
+def frees(h: Harness) -> list[tuple[int, int]]:
+    """(tenant id, physical pages said free) of every ``free`` notice so far."""
+    return [(tid, body["args"]["num_pages"]) for tid, body in h.leases.notices if body["notice"] == "free"]
+
+
+def test_a_refused_tenant_is_told_once_when_its_grow_would_fit(h: Harness) -> None:
+    ids, tok = tokens(h, {"hog": 6, "a": 2})  # every page mapped
+    assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[2, 3], wait_s=0)) == "NO_MEMORY"
+    h.ok("shrink", **h.auth("hog", tok["hog"], logical_pages=[5]))  # one logical page free: a wanted two
+    assert frees(h) == [], "told before its grow fits"
+    h.ok("shrink", **h.auth("hog", tok["hog"], logical_pages=[4]))
+    assert frees(h) == [(ids["a"], 4)]
+    h.tick(0.1)
+    h.ok("status")
+    assert len(frees(h)) == 1, "told once per refusal"
+    h.clock.advance(0.01)
+    assert h.error("grow", **h.auth("a", tok["a"], logical_pages=list(range(2, 8)), wait_s=0)) == "NO_MEMORY"
+    h.ok("shrink", **h.auth("hog", tok["hog"], logical_pages=[0, 1, 2, 3]))
+    assert frees(h)[1:] == [(ids["a"], 12)], "a new refusal arms it again"
+
+
+def test_nobody_refused_is_told_nothing_and_a_shortage_expires(h: Harness) -> None:
+    _, tok = tokens(h, {"hog": 6, "a": 2})
+    h.ok("shrink", **h.auth("hog", tok["hog"], logical_pages=[5]))
+    assert frees(h) == [], "no refusal, no notice"
+    h.ok("grow", **h.auth("hog", tok["hog"], logical_pages=[5]))
+    assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[2], wait_s=0)) == "NO_MEMORY"
+    h.tick(STARVED_S)
+    h.ok("shrink", **h.auth("hog", tok["hog"], logical_pages=[5]))
+    assert frees(h) == [], "a refusal older than STARVED_S is not a shortage"
+
+
+def test_a_refused_grow_ahead_of_need_arms_no_notice(h: Harness) -> None:
+    _, tok = tokens(h, {"hog": 6, "a": 2})
+    assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[2], ahead=True)) == "NO_MEMORY"
+    h.ok("shrink", **h.auth("hog", tok["hog"], logical_pages=[5, 4]))
+    assert frees(h) == []
+
+
+def test_pages_held_for_another_short_tenant_are_not_announced(h: Harness) -> None:
+    ids, tok = tokens(h, {"big": 6, "small": 2})  # small's share is 8 physical pages: it holds 4
+    assert h.error("grow", **h.auth("small", tok["small"], logical_pages=[2, 3], wait_s=0)) == "NO_MEMORY"
+    h.clock.advance(0.01)
+    assert h.error("grow", **h.auth("big", tok["big"], logical_pages=[6, 7], wait_s=0)) == "NO_MEMORY"
+    h.ok("shrink", **h.auth("big", tok["big"], logical_pages=[5, 4]))
+    assert frees(h) == [(ids["small"], 4)], "the free pages are small's (below its share), not big's"
