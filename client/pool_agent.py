@@ -95,7 +95,7 @@ class PoolAgent:
         self._reported: tuple[int, bool] | None = None  # (used bytes, sleepable) last told
         self.reserve_backoff = Backoff()  # after refused grows toward the reserve, however often woken
         self.floor_backoff = Backoff()  # after refused grows toward the floor ahead of need
-        self._floor_refused = False  # the daemon had no memory to spare for the floor, last asked
+        self._floor_refused = False  # the daemon just refused the floor: evict the cache for it, once
         self._report_at = 0.0  # no heartbeat before this, unless a whole HEARTBEAT_S passed
         self._active = False  # the engine stepped since the last heartbeat
 
@@ -245,7 +245,9 @@ class PoolAgent:
 
     def _floor_from_cache(self) -> None:
         """Evict the engine's cache-only blocks (its reclaim hook, without the lock: the hook
-        takes the engine's locks) until the floor is free, as far as the cache allows."""
+        takes the engine's locks) until the floor is free, as far as the cache allows; once
+        per refused floor grow, so at most as often as the floor's back-off allows."""
+        self._floor_refused = False
         core, hook = self.core, self.core.reclaim_hook
         missing = min(core.ahead_blocks, core.allocator.num_blocks) - core.allocator.num_free
         if hook is not None and missing > 0 and core.state is PoolState.ACTIVE:

@@ -48,6 +48,7 @@ from kvdaemon.client.pool_lock import PoolLock
 from kvdaemon.client.pool_state import PoolState, PoolStateCell
 from kvdaemon.client.segments import SegmentMap
 from kvdaemon.client.spec import KVSpec
+from kvdaemon.wire.handles import MAX_GROW_PAGES, max_grant_pages
 from kvdaemon.errors import (
     Asleep, BackendError, BadRequest, DaemonUnreachable, KVDaemonError, NoMemory, OverLimit,
     PoolClosed, PoolExhausted,
@@ -77,6 +78,7 @@ class PoolCore:
         self.num_virtual_pages = num_virtual_pages
         self.num_spare_pages = num_spare_pages
         self.num_prefetch_pages = min(num_prefetch_pages, num_spare_pages)
+        self.max_grant_pages = max_grant_pages(spec.num_segments)  # logical pages one grow may get
         self.lock = PoolLock()
         self.cell = PoolStateCell(self.lock)
         self.segments = SegmentMap(self.backend, spec.num_segments, num_virtual_pages, self.page_bytes)
@@ -158,11 +160,12 @@ class PoolCore:
         while num_blocks > self.allocator.num_free:
             self.check_can_grow()
             needed = -(-(num_blocks - self.allocator.num_free) // self.allocator.blocks_per_page)
+            needed = min(needed, self.max_grant_pages)  # one frame's worth a round trip; the loop asks again
             if (wait == 0 and not probe and mapped_ahead and needed >= self.refused_pages
                     and time.monotonic() - self.refused_at < REFUSED_S):  # fmt: skip
                 raise PoolExhausted(f"pool {self.name!r}: the daemon had no memory free just now")
             skip = self.lease.in_flight | self.pending_return
-            candidates = self.allocator.unmapped_pages(needed + self.num_prefetch_pages, skip)
+            candidates = self.allocator.unmapped_pages(min(needed + self.num_prefetch_pages, self.max_grant_pages), skip)
             if probe:  # ahead of need: what the limit and the virtual range allow, maybe nothing
                 needed = min(needed, len(candidates), self.headroom_pages())
                 if needed <= 0:
@@ -189,7 +192,8 @@ class PoolCore:
             except OverLimit as exc:
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
             self.map_grant(granted)
-            self.owed_pages = 0  # the daemon granted more: it no longer wants pages back
+            if not ahead:
+                self.owed_pages = 0  # the daemon granted real need: it no longer wants pages back
             self.refused_at = float("-inf")
             if probe:
                 return  # what the daemon had; the agent asks again when the engine needs more
@@ -202,7 +206,9 @@ class PoolCore:
 
     def grow_floor(self) -> bool:
         """Map pages until ``ahead_blocks`` are free, ahead of need (lock held): False when the
-        daemon has no memory to spare (it asks nobody for these)."""
+        daemon has no memory to spare (it asks nobody for these), or this pool owes pages."""
+        if self.owed_pages:
+            return self.allocator.num_free >= min(self.ahead_blocks, self.allocator.num_blocks)
         return self._grow_to(self.ahead_blocks, ahead=True)
 
     def _grow_to(self, num_blocks: int, ahead: bool) -> bool:
@@ -321,13 +327,15 @@ class PoolCore:
         """Send the page returns the daemon has not confirmed yet."""
         if not self.pending_return or self.lease.lost.is_set():
             return
-        lps = sorted(self.pending_return)
-        try:
-            with self.lock.open_gate():  # the pages are out of the allocator and unmapped
-                self.lease.shrink(lps)
-        except BadRequest:
-            log.info("pool %s: pages %s were already given back", self.name, lps[:8])
-        self.pending_return.difference_update(lps)
+        pending = sorted(self.pending_return)
+        for start in range(0, len(pending), MAX_GROW_PAGES):  # each request fits in one frame
+            lps = pending[start:start + MAX_GROW_PAGES]
+            try:
+                with self.lock.open_gate():  # the pages are out of the allocator and unmapped
+                    self.lease.shrink(lps)
+            except BadRequest:
+                log.info("pool %s: pages %s were already given back", self.name, lps[:8])
+            self.pending_return.difference_update(lps)
 
     def drop_all_pages(self) -> None:
         """Unmap every page here (without telling the daemon) and empty the allocator."""

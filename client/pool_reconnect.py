@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvdaemon.client.lease import Lease
+from kvdaemon.client.lease import Grant, Lease
 from kvdaemon.client.pool_core import PoolCore
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.errors import DaemonUnreachable, KVDaemonError
@@ -67,7 +67,14 @@ def try_reconnect(core: PoolCore, relink: Callable[[], Lease]) -> bool:
 def _move_pages(core: PoolCore, lease: Lease) -> None:
     """Grow the mapped logical pages from ``lease``, copy them over, switch leases (lock held)."""
     lps = sorted(core.segments.pages)
-    granted = lease.grow(lps) if lps else {}  # may wait while others give pages back
+    granted: Grant = {}
+    try:
+        for start in range(0, len(lps), core.max_grant_pages):  # one handle frame per grant
+            granted.update(lease.grow(lps[start:start + core.max_grant_pages]))  # may wait for others
+    except KVDaemonError:
+        for pages in granted.values():  # imported, never mapped: the unregister frees them there
+            core.segments.release(pages)
+        raise
     staging = core.backend.reserve(core.page_bytes)
     try:
         for lp in lps:
@@ -78,6 +85,7 @@ def _move_pages(core: PoolCore, lease: Lease) -> None:
     old, core.lease = core.lease, lease
     old.abandon()
     core.pending_return.clear()  # the new daemon never granted those
+    core.owed_pages = 0  # ... nor asked for any
     core.set_limit(lease.limit)
     if core.state.asleep:
         log.warning("pool %s: asleep when its daemon died; it wakes empty", core.name)

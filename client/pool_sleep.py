@@ -69,6 +69,7 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
             return
         for lp_pages in pages.values():
             core.segments.release(lp_pages)
+        core.owed_pages = 0  # every page went back
         if notice.mode == "warm":
             core.sleeping_allocator = allocator
             core.cell.move(PoolState.ASLEEP_WARM)

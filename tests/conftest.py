@@ -58,6 +58,12 @@ class RunningDaemon:
         for client in self.clients:
             client.close_all()
 
+    def as_if_dead(self) -> None:
+        """Judge every tenant process as mapping nothing: an in-process tenant whose connection
+        closes then stands for a process that died (its pages are freed, not quarantined)."""
+        assert self.daemon.service is not None
+        self.daemon.service.quarantine.started = lambda _pid: None
+
     def check_invariants(self) -> None:
         service = self.daemon.service
         assert service is not None

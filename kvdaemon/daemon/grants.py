@@ -2,8 +2,8 @@
 
 ``grow`` asks for up to ``len(candidates)`` logical pages, at least
 ``min_pages``: it checks everything first (state, lease, pages already held),
-then grants the first n candidates, where n is as many as the tenant's limit
-and the free pages allow, or raises (``OverLimit``/``NoMemory``, nothing
+then grants the first n candidates, where n is as many as the tenant's limit,
+the free pages and one handle frame (``max_grant_pages``) allow, or raises (``OverLimit``/``NoMemory``, nothing
 changed) when that is fewer than ``min_pages``. A grow *ahead of need*
 (``ahead``: a pool mapping its engine's speculative floor) may take only the
 free pages ``Shares.free_for_ahead`` leaves it. A grant takes one physical page
@@ -28,7 +28,7 @@ from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.shares import Shares
 from kvdaemon.daemon.tenant import Tenant, TenantState
 from kvdaemon.errors import Asleep, BackendError, BadRequest, Conflict, NoMemory, OverLimit
-from kvdaemon.wire.handles import MAX_FDS_PER_FRAME
+from kvdaemon.wire.handles import MAX_FDS_PER_FRAME, max_grant_pages
 from kvdaemon.wire.messages import ReclaimNotice
 
 
@@ -119,6 +119,9 @@ class Grants:
                 f"logical page(s) of {tenant.logical_page_bytes} would pass its limit of "
                 f"{tenant.max_bytes}"
             )
+        cap = max_grant_pages(tenant.spec.num_segments)  # the reply fits in one handle frame
+        if min_pages > cap:
+            raise BadRequest(f"a grow may ask for at most {cap} logical pages at least, got {min_pages}")
         num_free = self.pages.num_free
         if self.shares is not None and ahead:
             num_free = self.shares.free_for_ahead(tenant, num_free, now)
@@ -135,7 +138,7 @@ class Grants:
                 f"{min_pages} logical page(s) need {min_pages * tenant.spec.num_segments} "
                 f"pages, {self.pages.num_free} free{held}"
             )
-        return min(len(candidates), by_limit, by_free)
+        return min(len(candidates), by_limit, by_free, cap)
 
     def _export(self, pages: list[PhysicalPage]) -> list[tuple[int, list[int], list[int]]]:
         """Export ``pages`` in frames of at most ``MAX_FDS_PER_FRAME`` pages.

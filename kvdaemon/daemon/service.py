@@ -40,6 +40,7 @@ from kvdaemon.daemon.device_pages import Owner, DevicePages
 from kvdaemon.daemon.policies import MAX_WEIGHT, MIN_WEIGHT, OwnLimits
 from kvdaemon.daemon.policy_book import PolicyBook
 from kvdaemon.daemon.ports import LeasePort
+from kvdaemon.daemon.quarantine import Quarantine
 from kvdaemon.daemon.reclaim import Reclaimer
 from kvdaemon.daemon.reply import Call, PendingReply, ReplySink
 from kvdaemon.daemon.shares import Shares
@@ -85,6 +86,7 @@ class Service:
         self.started_at = clock()
         self.shares = Shares(self.tenants, self.pages.num_pages)
         self.grants = Grants(self.pages, leases, on_grant, on_shrink, shares=self.shares)
+        self.quarantine = Quarantine(self.grants)
         self.sleeper = Sleeper(self.tenants, self.grants, backend, leases, self.config.sleep_timeout_s)
         self.reclaimer = Reclaimer(
             self.tenants, self.shares, self.pages, self.grants, leases, self.sleeper,
@@ -226,6 +228,8 @@ class Service:
         wait_s = args.float("wait_s", 0.0, self.reclaimer.wait_s, default=self.reclaimer.wait_s)
         ahead = args.bool("ahead")  # speculative: no reclaim, no waiting, not short for it
         now = self.clock()
+        if ahead and self.reclaimer.parked:
+            raise NoMemory("pages coming back are awaited by a parked grow: none to spare ahead of need")
         try:
             return self.grants.grow(tenant, candidates, min_pages, now, ahead)
         except OverLimit as exc:
@@ -322,11 +326,13 @@ class Service:
     def remove(self, tenant: Tenant, why: str, clean: bool = True) -> int:
         """Forget ``tenant`` and free every page it holds; return the pages freed.
 
-        Only for a tenant that no longer maps them: it unregistered (``clean``),
-        or its process is gone (its lease closed). ``why`` says which, for the log.
+        Frees them only when the tenant no longer maps them: it unregistered
+        (``clean``), or its lease ended and its process maps nothing; else they
+        stay quarantined until it does (``Quarantine``). ``why`` says which, for the log.
         """
         self.activity.flush(tenant, self.clock())
-        num_pages = self.grants.release_all(tenant)
+        held = not clean and self.quarantine.hold(tenant, why)
+        num_pages = 0 if held else self.grants.release_all(tenant)
         self.sleeper.forget(tenant)
         self.tenants.remove(tenant)
         log_removed(tenant, num_pages, why, clean)
@@ -341,6 +347,7 @@ class Service:
                 why = f"it never attached its handle channel within {timeout_s:g} s"
                 self.remove(tenant, why, clean=False)
         self.sleeper.expire(now)
+        self.quarantine.sweep()
         self.pages.trim(now)
         self.reclaimer.retry(now)
         self.reclaimer.tell_free(now)
@@ -362,6 +369,7 @@ class Service:
             "page_size": self.pages.page_size_bytes,
             "capacity_bytes": self.pages.capacity_bytes,
             "free_bytes": self.pages.free_bytes,
+            "quarantined_bytes": self.quarantine.held_bytes,
             "host_bytes": sum(int(t["host_bytes"]) for t in tenants),
             "counters": {**self.reclaimer.stats(), **self.sleeper.stats()},
             "tenants": tenants,
@@ -369,10 +377,11 @@ class Service:
         }
 
     def check_invariants(self) -> None:
-        """Assert DESIGN.md §4 invariants 1-3 over the device pages and every tenant."""
+        """Assert DESIGN.md §4 invariants 1-3 over the device pages and every tenant (the
+        quarantined ones too: their pages are owned until their processes are gone)."""
         self.pages.check()
         mapped = 0
-        for tenant in self.tenants:
+        for tenant in [*self.tenants, *(held.tenant for held in self.quarantine.held)]:
             for lp, pages in tenant.logical.items():
                 assert len(pages) == tenant.spec.num_segments
                 for seg, page in enumerate(pages):

@@ -36,6 +36,14 @@ from kvdaemon.wire.protocol import MESSAGE_LIMITS, DecodeLimits, decode, encode
 
 MAX_FDS_PER_FRAME = 200
 MAX_FRAME_BYTES = 64 * 1024
+MAX_GROW_PAGES = 4096  # logical pages one grow or shrink may name: its request fits in a frame
+
+
+def max_grant_pages(num_segments: int) -> int:
+    """Logical pages one grant may hold so that its reply (every segment's page id of each,
+    beside the last grant frame) fits in one frame; both sides bound grows by it."""
+    per_page = 10 + 5 * max(1, num_segments)  # msgpack: [lp, [page id per segment]], 5 bytes an id
+    return max(1, min(MAX_GROW_PAGES, (MAX_FRAME_BYTES - 4096) // per_page))
 SCM_MAX_FD = 253  # the most fds the kernel attaches to one message
 # SO_PASSRIGHTS has the asm-generic number on these; alpha, mips, parisc, sparc differ.
 _SO_PASSRIGHTS = getattr(socket, "SO_PASSRIGHTS", 83)
@@ -76,8 +84,13 @@ def refuse_fds(listener: socket.socket) -> bool:
 
 
 def send_frame(sock: socket.socket, body: dict[str, Any], fds: list[int] | None = None) -> None:
-    """Send one frame (blocking socket). The fds stay open: the caller closes them."""
+    """Send one frame (blocking socket). The fds stay open: the caller closes them.
+
+    ``BadRequest``, nothing sent, for a body over ``MAX_FRAME_BYTES`` (the peer could only
+    read it truncated)."""
     data = encode(body)
+    if len(data) > MAX_FRAME_BYTES:
+        raise BadRequest(f"a handle frame holds at most {MAX_FRAME_BYTES} bytes, this one {len(data)}")
     if fds:
         socket.send_fds(sock, [data], fds)
     else:

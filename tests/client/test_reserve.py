@@ -254,3 +254,55 @@ def test_an_ask_ahead_of_need_owes_nothing_and_an_ask_for_a_grow_owes_the_rest(k
     other.close()
     pool.free(held[:-BLOCKS_PER_PAGE])
     pool.close()
+
+
+def owe_one_page(client: KVClient) -> tuple[KVPool, list[int], KVPool]:
+    """A pool "p" of five logical pages of live blocks that owes one page to "o"'s refused grow."""
+    pool = client.register("p", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    held = pool.alloc(5 * BLOCKS_PER_PAGE)
+    other = client.register("o", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
+    with pytest.raises(PoolExhausted):
+        other.alloc(4 * BLOCKS_PER_PAGE)  # three free: p is asked for one it cannot give yet
+    wait_until(lambda: pool.owed_pages == 1, 10, "the urgent ask was not owed")
+    return pool, held, other
+
+
+def test_a_pool_that_owes_maps_no_floor_and_keeps_its_debt(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool, held, other = owe_one_page(client)
+    pool.keep_free(0, 0, 2 * BLOCKS_PER_PAGE)  # memory is free above the low water, but it owes
+    time.sleep(0.5)
+    assert pool.owed_pages == 1 and mapped(client, "p") == 5 * LOGICAL
+    pool.free(held)
+    wait_until(lambda: pool.owed_pages == 0, 10, "the debt was not paid")
+    other.close()
+    pool.close()
+
+
+def test_a_sleep_settles_a_debt(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool, _held, other = owe_one_page(client)
+    pool.sleep("warm")  # every page goes back: nothing is owed after
+    wait_until(lambda: pool.state.asleep and pool.owed_pages == 0, 10, "the debt outlived the sleep")
+    pool.wake()
+    assert pool.owed_pages == 0 and mapped(client, "p") == 5 * LOGICAL
+    other.close()
+    pool.close()
+
+
+def test_the_cache_is_evicted_for_the_floor_once_per_refused_floor_grow(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    hog, held = occupy(client, 7)  # under the low water for speculation
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    attempts, evictions = [], []
+    grow_floor = pool.core.grow_floor
+    pool.core.grow_floor = lambda: attempts.append(1) or grow_floor()  # type: ignore[method-assign]
+    pool.reclaim_hook = lambda n: evictions.append(n) or 0  # an empty cache
+    pool.keep_free(0, 0, BLOCKS_PER_PAGE)
+    for _ in range(40):  # wake-ups that retry nothing (the floor backs off)
+        pool.agent.nudge()
+        time.sleep(0.02)
+    assert attempts and len(evictions) <= len(attempts), "the hook ran on wake-ups that asked nothing"
+    pool.close()
+    hog.free(held)
+    hog.close()

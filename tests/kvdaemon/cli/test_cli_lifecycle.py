@@ -191,7 +191,8 @@ def test_status_json_is_the_status_object(cli: Cli) -> None:
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
     assert set(status) == STATUS_KEYS | {
-        "dir", "host_bytes", "counters", "device", "pid", "version", "uptime_seconds", "policies"}
+        "dir", "host_bytes", "quarantined_bytes", "counters", "device", "pid", "version", "uptime_seconds",
+        "policies"}
     assert status["dir"] == str(cli.dir)
     assert {key: status[key] for key in STATUS_KEYS} == {
         "backend": "host", "page_size": 2 * MiB, "capacity_bytes": 64 * MiB,

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvdaemon.daemon.shares import LOW_WATER
+from kvdaemon.wire.protocol import request
 
 from tests.kvdaemon.daemon.test_ask_ahead import reclaims
 from tests.kvdaemon.daemon.test_reclaim_share import tokens
@@ -66,3 +67,13 @@ def test_a_bad_ahead_flag_is_refused_and_changes_nothing(h: Harness, value: obje
     _, tok = tokens(h, {"a": 1})
     assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[1], ahead=value)) == "BAD_REQUEST"
     assert row(h, "a")["mapped_bytes"] == NUM_SEGMENTS * h.service.pages.page_size_bytes
+
+
+def test_no_grow_ahead_while_a_grow_is_parked(h: Harness) -> None:
+    _, tok = tokens(h, {"hog": 5, "a": 1})  # 12 of 16 mapped: two logical pages free
+    tok["b"] = h.register("b")["token"]
+    parked = request(999, "grow", h.auth("a", tok["a"], logical_pages=[1, 2, 3]))
+    assert h.service.dispatch(b"a", parked) is None and h.service.reclaimer.parked, "a waits for the hog"
+    code = h.error("grow", **h.auth("b", tok["b"], logical_pages=[0], ahead=True))
+    assert code == "NO_MEMORY", "the pages coming back are the parked grow's"
+    assert h.ok("grow", **h.auth("b", tok["b"], logical_pages=[0]))["pages"], "real need is still served"

@@ -213,7 +213,7 @@ def test_lowering_a_limit_below_mapped_asks_for_pages_back(h: Harness) -> None:
     reg = h.register("a")
     h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0, 1, 2]))  # 6 pages
     h.ok("set_limit", name="a", max_bytes=3 * PAGE_BYTES)
-    assert h.leases.notices[-1] == (reg["tenant_id"], {"notice": "reclaim", "args": {"num_pages": 2}})
+    assert h.leases.notices[-1] == (reg["tenant_id"], {"notice": "reclaim", "args": {"num_pages": 2, "urgent": True}})
     assert h.error("set_limit", name="a") == "BAD_REQUEST"
 
 

@@ -51,7 +51,7 @@ def test_reclaim_escalates_with_the_clock(h: Harness) -> None:
     h.ok("grow", **h.auth("a", a["token"], logical_pages=[0, 1, 2, 3, 4, 5]))  # 12 of 16 pages
     assert h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2]))) is None
     # parked: a is asked at once for just the missing pages (6 wanted, 4 free)
-    assert notices_to(h, a, "reclaim") == [{"num_pages": 1}]
+    assert notices_to(h, a, "reclaim") == [{"num_pages": 1, "urgent": True}]
     h.tick(0.2)
     assert len(notices_to(h, a, "reclaim")) == 1 and h.replies == []
     h.tick(0.1)  # past escalate_s: every victim asked for what is missing

@@ -260,6 +260,7 @@ def test_a_live_daemon_logs_each_state_change_of_a_real_pool(caplog: pytest.LogC
 
         lease = engine.lease("qwen-b", small_spec(), num_virtual_pages=8)
         lease.grow([0])
+        kvd.as_if_dead()
         lease.abandon()  # as when its process dies: the handle channel closes, no unregister
         assert re.fullmatch(
             r"tenant qwen-b \(pid \d+\) removed: its lease ended without an unregister "
