@@ -28,9 +28,10 @@ STATE_WORDS = {"active": "active", "sleeping-warm": "asleep (warm)", "sleeping-c
 POLICY_FIELDS = ("max", "min", "weight")
 
 
-def header_lines(dir: Path, status: dict[str, Any]) -> list[str]:  # noqa: A002
+def header_lines(dir: Path, status: dict[str, Any], num_registered: int | None = None) -> list[str]:  # noqa: A002
     """``kvdaemon 0.1.0 at DIR (pid N, up 3m05s): backend host, device 0`` and
-    ``capacity 4.00 GiB, free 1.00 GiB (25%), page 2.00 MiB, 2 tenant(s)``."""
+    ``capacity 4.00 GiB, free 1.00 GiB (25%), page 2.00 MiB, 2 tenant(s)`` (``1 of 2
+    tenant(s) shown`` when only some are: ``num_registered``), then what is quarantined."""
     capacity, free = status["capacity_bytes"], status["free_bytes"]
     share = f"{100 * free / capacity:.0f}%" if capacity else "-"
     version = f" {status['version']}" if status.get("version") else ""
@@ -39,11 +40,19 @@ def header_lines(dir: Path, status: dict[str, Any]) -> list[str]:  # noqa: A002
         process.append(f"up {format_duration(float(status['uptime_seconds']))}")
     where = f" ({', '.join(process)})" if process else ""
     device = f", device {status['device']}" if status.get("device") is not None else ""
-    return [
+    shown = len(status["tenants"])
+    count = f"{shown} tenant(s)"
+    if num_registered is not None and num_registered != shown:
+        count = f"{shown} of {num_registered} tenant(s) shown"
+    lines = [
         f"kvdaemon{version} at {dir}{where}: backend {status['backend']}{device}",
         f"capacity {format_bytes(capacity)}, free {format_bytes(free)} ({share}), "
-        f"page {format_bytes(status['page_size'])}, {len(status['tenants'])} tenant(s)",
+        f"page {format_bytes(status['page_size'])}, {count}",
     ]
+    if status.get("quarantined_bytes"):
+        lines.append(f"quarantined {format_bytes(status['quarantined_bytes'])}: pages of ended leases "
+                     "whose processes may still map them, freed when those processes exit")
+    return lines
 
 
 def tenant_table(tenants: list[dict[str, Any]]) -> Table:
@@ -143,10 +152,10 @@ def format_duration(seconds: float) -> str:
     return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
 
 
-def render(console: Console, dir: Path, status: dict[str, Any]) -> None:  # noqa: A002
+def render(console: Console, dir: Path, status: dict[str, Any], num_registered: int | None = None) -> None:  # noqa: A002
     """Print the header lines, the tenant table (or that there are none), the notes and
-    the policies."""
-    for line in header_lines(dir, status):
+    the policies; ``num_registered``: how many tenants there are when only some are shown."""
+    for line in header_lines(dir, status, num_registered):
         console.print(Text(line), highlight=False, soft_wrap=True)
     tenants = status["tenants"]
     if tenants:

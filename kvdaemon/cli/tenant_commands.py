@@ -52,13 +52,14 @@ def status(names: tuple[str, ...], dir_flag: Path | None, config_file: Path | No
     root = daemon_dir(dir_flag, config_file)
     with reach.talking(root) as client:
         snapshot = client.status()
+    num_registered = len(snapshot["tenants"])
     if names:
         policies = [p for p in snapshot.get("policies", []) if p["name"] in names]
         snapshot = {**snapshot, "tenants": _only(snapshot["tenants"], names), "policies": policies}
     if as_json:
         emit(True, {"dir": str(root), **snapshot}, "")
         return
-    status_view.render(stdout_console(), root, snapshot)
+    status_view.render(stdout_console(), root, snapshot, num_registered)
 
 
 def _only(tenants: list[dict[str, Any]], names: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -116,3 +116,11 @@ def test_policies_are_listed_with_their_sources() -> None:
         "  llama-a: max 40% (config)",
         "  qwen-b: max 8.00 GiB (limit), min none (limit), weight 2 (config); not registered yet",
     ]
+
+
+def test_the_header_says_how_many_are_shown_and_what_is_quarantined() -> None:
+    status = {**make_status([make_tenant()]), "quarantined_bytes": 3 << 20}
+    lines = status_view.header_lines(Path("/tmp/kvd"), status, num_registered=2)
+    assert lines[1].endswith("page 2.00 MiB, 1 of 2 tenant(s) shown")
+    assert lines[2].startswith("quarantined 3.00 MiB: pages of ended leases")
+    assert len(status_view.header_lines(Path("/tmp/kvd"), make_status([make_tenant()]), 1)) == 2
