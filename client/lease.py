@@ -35,7 +35,7 @@ from kvdaemon.client.grant_channel import GrantChannel
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.errors import BadRequest, Forbidden, KVDaemonError, NoReply, from_code
 from kvdaemon.wire.handles import close_fds, peer_credentials, recv_frame, send_frame
-from kvdaemon.wire.messages import Notice, parse_grant_pages, parse_notice
+from kvdaemon.wire.messages import Notice, WakeNotice, parse_grant_pages, parse_notice
 from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.protocol import result_of
 
@@ -69,6 +69,7 @@ class Lease:
         self._frames: dict[int, list[tuple[dict[str, Any], list[int]]]] = {}
         self._frames_changed = threading.Condition()
         self._reader: threading.Thread | None = None
+        self._wake_part: WakeNotice | None = None  # a wake whose later notices are on their way
         self.grants: GrantChannel | None = None  # grows and shrinks: one plain round trip
 
     # -- the handle channel ----------------------------------------------------
@@ -133,8 +134,27 @@ class Lease:
         except BadRequest as exc:
             log.warning("lease %s: ignored a malformed notice: %s", self.name, exc)
             return
-        if self.on_notice is not None:
+        if isinstance(notice, WakeNotice):
+            notice = self._join_wake(notice)
+        if notice is not None and self.on_notice is not None:
             self.on_notice(notice)
+
+    def _join_wake(self, part: WakeNotice) -> WakeNotice | None:
+        """The whole wake once its notices (``WakeNotice.parts``, back to back) add up; None
+        before. Parts out of step drop the unfinished wake (logged): it is never mapped."""
+        unfinished, self._wake_part = self._wake_part, None
+        if unfinished is not None and unfinished.grant_id != part.grant_id:
+            log.warning("lease %s: the wake of grant %d ended unfinished", self.name, unfinished.grant_id)
+            unfinished = None
+        try:
+            whole = part if unfinished is None else unfinished.joined(part)
+        except BadRequest as exc:
+            log.warning("lease %s: ignored a wake: %s", self.name, exc)
+            return None
+        if whole.complete:
+            return whole
+        self._wake_part = whole
+        return None
 
     def receive_pages(
         self, grant_id: int, logical_pages: list[int], page_ids: list[int] | None = None,

@@ -161,7 +161,8 @@ class Sleeper:
         tenant.touch(now)
         self.num_wakes += 1
         lps = [lp for lp, _ in grant["pages"]]
-        notify(self.leases, tenant.tenant_id, WakeNotice(mode, grant["grant_id"], lps))
+        for notice in WakeNotice.parts(mode, grant["grant_id"], lps):
+            notify(self.leases, tenant.tenant_id, notice)
         log.info("tenant %s is active (%s; was sleeping-%s): %s restored", tenant.name, why, mode,
                  format_bytes(tenant.mapped_bytes))  # fmt: skip
         return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes}

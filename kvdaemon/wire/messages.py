@@ -50,6 +50,7 @@ OPS = (
     "sleep", "sleep_ready", "wake", "shutdown",
 )
 SLEEP_MODES = ("warm", "cold")
+MAX_WAKE_PAGES = 8192  # logical pages one wake notice names: 5 bytes each at most, within a frame
 
 
 @dataclass(frozen=True)
@@ -136,17 +137,50 @@ class WakeNotice(Notice):
     """Awake again: map grant ``grant_id`` at ``logical_pages`` (the same addresses as before).
 
     The grant's page ids travel in its own frames (at most ``MAX_FDS_PER_FRAME``
-    pages each), so this notice stays small however large the tenant is.
+    pages each) and its logical pages in notices of at most ``MAX_WAKE_PAGES``
+    each (``parts``), sent in order after those frames; ``num_logical_pages``
+    is the whole grant's count, so every notice fits in one handle frame
+    however large the tenant is. The client maps once the parts add up.
     """
 
     kind: ClassVar[str] = "wake"
     mode: str
     grant_id: int
     logical_pages: list[int] = field(default_factory=list)
+    num_logical_pages: int = -1  # the whole grant's; -1: this notice's own count
+
+    def __post_init__(self) -> None:
+        if self.num_logical_pages < 0:
+            object.__setattr__(self, "num_logical_pages", len(self.logical_pages))
+
+    @classmethod
+    def parts(cls, mode: str, grant_id: int, logical_pages: list[int]) -> list[WakeNotice]:
+        """The notices naming ``logical_pages`` in order, ``MAX_WAKE_PAGES`` a notice (one if none)."""
+        total = len(logical_pages)
+        return [
+            cls(mode, grant_id, logical_pages[start : start + MAX_WAKE_PAGES], total)
+            for start in range(0, max(total, 1), MAX_WAKE_PAGES)
+        ]
+
+    @property
+    def complete(self) -> bool:
+        return len(self.logical_pages) == self.num_logical_pages
+
+    def joined(self, part: WakeNotice) -> WakeNotice:
+        """This unfinished wake with ``part``, its next notice, appended; ``BadRequest``
+        when ``part`` belongs to another wake, repeats a page or passes the count."""
+        if (part.grant_id, part.mode, part.num_logical_pages) != (self.grant_id, self.mode, self.num_logical_pages):
+            raise BadRequest(f"a wake notice of grant {part.grant_id} inside the parts of grant {self.grant_id}")
+        pages = self.logical_pages + part.logical_pages
+        if len(pages) > self.num_logical_pages or len(set(pages)) != len(pages):
+            raise BadRequest(f"the parts of wake grant {self.grant_id} repeat pages or pass its count")
+        return WakeNotice(self.mode, self.grant_id, pages, self.num_logical_pages)
 
     @classmethod
     def parse(cls, args: Args) -> WakeNotice:
-        return cls(_mode(args), args.int("grant_id", 0), args.int_list("logical_pages", 0, MAX_INT))
+        lps = args.int_list("logical_pages", 0, MAX_INT, MAX_WAKE_PAGES)
+        total = args.int("num_logical_pages", len(lps), MAX_INT, default=len(lps))
+        return cls(_mode(args), args.int("grant_id", 0), lps, total)
 
 
 @dataclass(frozen=True)

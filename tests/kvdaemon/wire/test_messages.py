@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvdaemon.errors import BadRequest
-from kvdaemon.wire.messages import FreeNotice, ReclaimNotice, parse_notice
+from kvdaemon.wire.handles import MAX_FRAME_BYTES
+from kvdaemon.wire.messages import MAX_WAKE_PAGES, FreeNotice, ReclaimNotice, WakeNotice, parse_notice
+from kvdaemon.wire.protocol import encode
 
 
-@pytest.mark.parametrize("notice", [ReclaimNotice(3), ReclaimNotice(1, urgent=False), FreeNotice(16)])
+@pytest.mark.parametrize("notice", [
+    ReclaimNotice(3), ReclaimNotice(1, urgent=False), FreeNotice(16), WakeNotice("warm", 4, [7, 2], 9),
+    WakeNotice("cold", 0),
+])
 def test_a_notice_comes_back_from_its_wire_form(notice: object) -> None:
     assert parse_notice(notice.to_wire()) == notice  # type: ignore[attr-defined]
 
@@ -25,7 +30,39 @@ def test_a_reclaim_without_the_urgent_field_is_urgent() -> None:
     {"notice": "free", "args": {"num_pages": True}},
     {"notice": "free", "args": {}},
     {"notice": "free", "args": "x"},
+    {"notice": "wake", "args": {"mode": "warm", "grant_id": 1, "logical_pages": [1, 2], "num_logical_pages": 1}},
+    {"notice": "wake", "args": {"mode": "warm", "grant_id": 1, "logical_pages": [1, 1]}},
+    {"notice": "wake", "args": {"mode": "warm", "grant_id": 1, "logical_pages": list(range(MAX_WAKE_PAGES + 1))}},
 ])
 def test_a_malformed_notice_is_refused(body: dict) -> None:
     with pytest.raises(BadRequest):
         parse_notice(body)
+
+
+def test_a_wake_of_any_size_goes_in_notices_that_each_fit_a_handle_frame() -> None:
+    pages = list(range((1 << 24) - 3 * MAX_WAKE_PAGES, 1 << 24))[::-1]  # the largest pages a tenant has
+    parts = WakeNotice.parts("warm", 7, pages)
+    assert len(parts) == 3 and all(len(encode(part.to_wire())) <= MAX_FRAME_BYTES for part in parts)
+    assert [part.num_logical_pages for part in parts] == [len(pages)] * 3
+    whole = parse_notice(parts[0].to_wire())
+    assert not whole.complete
+    for part in parts[1:]:
+        whole = whole.joined(parse_notice(part.to_wire()))
+    assert whole.complete and whole == WakeNotice("warm", 7, pages)
+
+
+def test_a_wake_without_pages_is_one_complete_notice() -> None:
+    (part,) = WakeNotice.parts("cold", 3, [])
+    assert part.complete and part.logical_pages == [] and part.num_logical_pages == 0
+
+
+@pytest.mark.parametrize("part", [
+    WakeNotice("warm", 8, [5], 3),  # another grant
+    WakeNotice("cold", 7, [5], 3),  # another mode
+    WakeNotice("warm", 7, [5], 4),  # another count
+    WakeNotice("warm", 7, [1], 3),  # a page named twice
+    WakeNotice("warm", 7, [5, 6, 8], 3),  # past the count
+])
+def test_a_wake_part_out_of_step_is_refused(part: WakeNotice) -> None:
+    with pytest.raises(BadRequest):
+        WakeNotice("warm", 7, [1], 3).joined(part)
