@@ -27,10 +27,9 @@ from kvdaemon.client.pool_state import PoolState
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolClosed
 from kvdaemon.wire.paths import DaemonPaths, default_dir, running_pid
-from kvdaemon.wire.protocol import PROTOCOL_VERSION
+from kvdaemon.wire.protocol import MAX_VIRTUAL_PAGES, PROTOCOL_VERSION
 
 PROBE_TIMEOUT_S = 0.5  # a pool looking for a restarted daemon waits this long per try
-MAX_VIRTUAL_PAGES = 1 << 24  # the daemon's bound on a tenant's logical pages
 
 
 class KVClient:

@@ -10,7 +10,9 @@
 
 One reader thread owns the handle channel once attached: grant frames go to a
 mailbox by grant id that ``receive_pages`` waits on; notices are parsed
-(``kvdaemon.wire.messages``) and handed to ``on_notice``, which must not block.
+(``kvdaemon.wire.messages``) and handed to ``on_notice``, which must not block;
+a wake's notices are joined first and handed over once whole (parts out of
+step close the channel: the lease is lost, never half-mapped).
 The reader takes no lock but the mailbox's own, so nothing can deadlock with it.
 
 A grow whose reply does not come in time is not a decision: it stays
@@ -35,7 +37,7 @@ from kvdaemon.client.grant_channel import GrantChannel
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.errors import BadRequest, Forbidden, KVDaemonError, NoReply, from_code
 from kvdaemon.wire.handles import close_fds, peer_credentials, recv_frame, send_frame
-from kvdaemon.wire.messages import Notice, WakeNotice, parse_grant_pages, parse_notice
+from kvdaemon.wire.messages import Notice, WakeJoin, WakeNotice, parse_grant_pages, parse_notice
 from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.protocol import result_of
 
@@ -69,7 +71,8 @@ class Lease:
         self._frames: dict[int, list[tuple[dict[str, Any], list[int]]]] = {}
         self._frames_changed = threading.Condition()
         self._reader: threading.Thread | None = None
-        self._wake_part: WakeNotice | None = None  # a wake whose later notices are on their way
+        self._wake: WakeJoin | None = None  # a wake whose later notices are on their way
+        self._broken = False  # the daemon broke the protocol: nothing more is read as sent
         self.grants: GrantChannel | None = None  # grows and shrinks: one plain round trip
 
     # -- the handle channel ----------------------------------------------------
@@ -129,32 +132,51 @@ class Lease:
             self._frames_changed.notify_all()
 
     def _deliver(self, body: dict[str, Any]) -> None:
+        if self._broken:
+            return
         try:
             notice = parse_notice(body)
         except BadRequest as exc:
-            log.warning("lease %s: ignored a malformed notice: %s", self.name, exc)
+            if body.get("notice") == "wake":  # the daemon has us awake: dropping it would disagree
+                self._break(f"a malformed wake notice: {exc}")
+            else:
+                log.warning("lease %s: ignored a malformed notice: %s", self.name, exc)
             return
         if isinstance(notice, WakeNotice):
             notice = self._join_wake(notice)
+        elif self._wake is not None:
+            self._break(f"a {notice.kind} notice inside the parts of wake grant {self._wake.first.grant_id}")
+            return
         if notice is not None and self.on_notice is not None:
             self.on_notice(notice)
 
     def _join_wake(self, part: WakeNotice) -> WakeNotice | None:
         """The whole wake once its notices (``WakeNotice.parts``, back to back) add up; None
-        before. Parts out of step drop the unfinished wake (logged): it is never mapped."""
-        unfinished, self._wake_part = self._wake_part, None
-        if unfinished is not None and unfinished.grant_id != part.grant_id:
-            log.warning("lease %s: the wake of grant %d ended unfinished", self.name, unfinished.grant_id)
-            unfinished = None
+        before. Parts out of step break the lease (``_break``): the wake is never mapped."""
         try:
-            whole = part if unfinished is None else unfinished.joined(part)
+            if self._wake is None:
+                join = WakeJoin(part)
+            else:
+                join = self._wake
+                join.add(part)
         except BadRequest as exc:
-            log.warning("lease %s: ignored a wake: %s", self.name, exc)
+            self._break(str(exc))
             return None
-        if whole.complete:
-            return whole
-        self._wake_part = whole
+        if join.complete:
+            self._wake = None
+            return join.whole()
+        self._wake = join
         return None
+
+    def _break(self, why: str) -> None:
+        """The daemon broke the protocol: close the handle channel (reader thread only), so
+        the lease is lost on both sides and the pool re-registers, as after a daemon's death."""
+        log.error("lease %s: %s; the handle channel is closed", self.name, why)
+        self._wake, self._broken = None, True
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def receive_pages(
         self, grant_id: int, logical_pages: list[int], page_ids: list[int] | None = None,

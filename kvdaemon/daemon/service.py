@@ -52,7 +52,8 @@ from kvdaemon.errors import (
 )
 from kvdaemon.wire.messages import SLEEP_MODES
 from kvdaemon.wire.protocol import (
-    MAX_INT, PROTOCOL_VERSION, REQUEST_LIMITS, Args, decode, peek_request_id, reply_error, reply_ok,
+    MAX_INT, MAX_VIRTUAL_PAGES, PROTOCOL_VERSION, REQUEST_LIMITS, Args, decode, peek_request_id, reply_error,
+    reply_ok,
 )
 
 log = logging.getLogger("kvdaemon.service")
@@ -179,7 +180,7 @@ class Service:
     def op_register(self, args: Args, call: Call) -> dict[str, Any]:
         name = check_name(args.str("name"))
         spec = WireSpec.parse(args.map("spec"))
-        num_virtual_pages = args.int("num_virtual_pages", 1, 1 << 24)
+        num_virtual_pages = args.int("num_virtual_pages", 1, MAX_VIRTUAL_PAGES)
         own = OwnLimits(
             max_bytes=args.opt_int("max_bytes", 0, MAX_INT),
             min_bytes=args.int("min_bytes", 0, MAX_INT, default=0),

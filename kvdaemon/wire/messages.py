@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from kvdaemon.errors import BadRequest
-from kvdaemon.wire.protocol import MAX_INT, Args
+from kvdaemon.wire.protocol import MAX_INT, MAX_VIRTUAL_PAGES, Args
 
 OPS = (
     "hello", "register", "grow", "shrink", "heartbeat", "unregister", "status", "set_limit",
@@ -138,9 +138,10 @@ class WakeNotice(Notice):
 
     The grant's page ids travel in its own frames (at most ``MAX_FDS_PER_FRAME``
     pages each) and its logical pages in notices of at most ``MAX_WAKE_PAGES``
-    each (``parts``), sent in order after those frames; ``num_logical_pages``
-    is the whole grant's count, so every notice fits in one handle frame
-    however large the tenant is. The client maps once the parts add up.
+    each (``parts``), sent back to back after those frames: ``first_index`` is
+    where a notice's pages start in the whole list, ``num_logical_pages`` the
+    whole grant's count, so every notice fits in one handle frame however large
+    the tenant is. The client maps once they add up (``WakeJoin``).
     """
 
     kind: ClassVar[str] = "wake"
@@ -148,6 +149,7 @@ class WakeNotice(Notice):
     grant_id: int
     logical_pages: list[int] = field(default_factory=list)
     num_logical_pages: int = -1  # the whole grant's; -1: this notice's own count
+    first_index: int = 0
 
     def __post_init__(self) -> None:
         if self.num_logical_pages < 0:
@@ -158,29 +160,55 @@ class WakeNotice(Notice):
         """The notices naming ``logical_pages`` in order, ``MAX_WAKE_PAGES`` a notice (one if none)."""
         total = len(logical_pages)
         return [
-            cls(mode, grant_id, logical_pages[start : start + MAX_WAKE_PAGES], total)
+            cls(mode, grant_id, logical_pages[start : start + MAX_WAKE_PAGES], total, start)
             for start in range(0, max(total, 1), MAX_WAKE_PAGES)
         ]
 
-    @property
-    def complete(self) -> bool:
-        return len(self.logical_pages) == self.num_logical_pages
-
-    def joined(self, part: WakeNotice) -> WakeNotice:
-        """This unfinished wake with ``part``, its next notice, appended; ``BadRequest``
-        when ``part`` belongs to another wake, repeats a page or passes the count."""
-        if (part.grant_id, part.mode, part.num_logical_pages) != (self.grant_id, self.mode, self.num_logical_pages):
-            raise BadRequest(f"a wake notice of grant {part.grant_id} inside the parts of grant {self.grant_id}")
-        pages = self.logical_pages + part.logical_pages
-        if len(pages) > self.num_logical_pages or len(set(pages)) != len(pages):
-            raise BadRequest(f"the parts of wake grant {self.grant_id} repeat pages or pass its count")
-        return WakeNotice(self.mode, self.grant_id, pages, self.num_logical_pages)
-
     @classmethod
     def parse(cls, args: Args) -> WakeNotice:
-        lps = args.int_list("logical_pages", 0, MAX_INT, MAX_WAKE_PAGES)
-        total = args.int("num_logical_pages", len(lps), MAX_INT, default=len(lps))
-        return cls(_mode(args), args.int("grant_id", 0), lps, total)
+        lps = args.int_list("logical_pages", 0, MAX_VIRTUAL_PAGES - 1, MAX_WAKE_PAGES)
+        total = args.int("num_logical_pages", len(lps), MAX_VIRTUAL_PAGES, default=len(lps))
+        first = args.int("first_index", 0, total - len(lps), default=0)
+        return cls(_mode(args), args.int("grant_id", 0), lps, total, first)
+
+
+class WakeJoin:
+    """One wake's notices (``WakeNotice.parts``) joined back into the whole; O(1) a page.
+
+    Starts from the first part (``first_index`` 0); ``add`` takes the next one
+    and raises ``BadRequest`` (nothing added) for anything but the next part of
+    this wake: another grant, mode or count, pages out of order, a page named
+    twice. ``whole()`` once ``complete``.
+    """
+
+    def __init__(self, first: WakeNotice) -> None:
+        if first.first_index != 0:
+            raise BadRequest(f"a wake of grant {first.grant_id} starting at page {first.first_index}")
+        self.first = first
+        self.pages = list(first.logical_pages)
+        self._seen = set(self.pages)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.pages) == self.first.num_logical_pages
+
+    def add(self, part: WakeNotice) -> None:
+        first = self.first
+        if (part.grant_id, part.mode, part.num_logical_pages, part.first_index) != (
+            first.grant_id, first.mode, first.num_logical_pages, len(self.pages)
+        ):  # fmt: skip
+            raise BadRequest(
+                f"a wake notice of grant {part.grant_id} from page {part.first_index} where the next "
+                f"part of grant {first.grant_id} from page {len(self.pages)} was due"
+            )
+        new = set(part.logical_pages)
+        if not new.isdisjoint(self._seen):
+            raise BadRequest(f"the parts of wake grant {first.grant_id} name a page twice")
+        self._seen |= new
+        self.pages += part.logical_pages
+
+    def whole(self) -> WakeNotice:
+        return WakeNotice(self.first.mode, self.first.grant_id, self.pages, len(self.pages))
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,10 @@ import msgpack
 
 from kvdaemon.errors import BadRequest, KVDaemonError, from_code
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a wake's logical pages in parts (WakeNotice.parts)
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_LIST_LEN = 1 << 16
+MAX_VIRTUAL_PAGES = 1 << 24  # logical pages a tenant may reserve
 MAX_MAP_LEN = 256
 MAX_STR_LEN = 1024
 MAX_INT = (1 << 63) - 1

@@ -6,12 +6,14 @@ import pytest
 
 from kvdaemon.errors import BadRequest
 from kvdaemon.wire.handles import MAX_FRAME_BYTES
-from kvdaemon.wire.messages import MAX_WAKE_PAGES, FreeNotice, ReclaimNotice, WakeNotice, parse_notice
+from kvdaemon.wire.messages import (
+    MAX_WAKE_PAGES, FreeNotice, ReclaimNotice, WakeJoin, WakeNotice, parse_notice,
+)
 from kvdaemon.wire.protocol import encode
 
 
 @pytest.mark.parametrize("notice", [
-    ReclaimNotice(3), ReclaimNotice(1, urgent=False), FreeNotice(16), WakeNotice("warm", 4, [7, 2], 9),
+    ReclaimNotice(3), ReclaimNotice(1, urgent=False), FreeNotice(16), WakeNotice("warm", 4, [7, 2], 9, 3),
     WakeNotice("cold", 0),
 ])
 def test_a_notice_comes_back_from_its_wire_form(notice: object) -> None:
@@ -33,6 +35,10 @@ def test_a_reclaim_without_the_urgent_field_is_urgent() -> None:
     {"notice": "wake", "args": {"mode": "warm", "grant_id": 1, "logical_pages": [1, 2], "num_logical_pages": 1}},
     {"notice": "wake", "args": {"mode": "warm", "grant_id": 1, "logical_pages": [1, 1]}},
     {"notice": "wake", "args": {"mode": "warm", "grant_id": 1, "logical_pages": list(range(MAX_WAKE_PAGES + 1))}},
+    {"notice": "wake", "args": {"mode": "warm", "grant_id": 1, "logical_pages": [1], "num_logical_pages": 1 << 62}},
+    {"notice": "wake", "args": {"mode": "warm", "grant_id": 1, "logical_pages": [1, 2], "num_logical_pages": 3,
+                                "first_index": 2}},
+    {"notice": "wake", "args": {"mode": "warm", "grant_id": 1, "logical_pages": [1 << 24]}},
 ])
 def test_a_malformed_notice_is_refused(body: dict) -> None:
     with pytest.raises(BadRequest):
@@ -43,26 +49,35 @@ def test_a_wake_of_any_size_goes_in_notices_that_each_fit_a_handle_frame() -> No
     pages = list(range((1 << 24) - 3 * MAX_WAKE_PAGES, 1 << 24))[::-1]  # the largest pages a tenant has
     parts = WakeNotice.parts("warm", 7, pages)
     assert len(parts) == 3 and all(len(encode(part.to_wire())) <= MAX_FRAME_BYTES for part in parts)
-    assert [part.num_logical_pages for part in parts] == [len(pages)] * 3
-    whole = parse_notice(parts[0].to_wire())
-    assert not whole.complete
+    assert [(part.first_index, part.num_logical_pages) for part in parts] == [
+        (0, len(pages)), (MAX_WAKE_PAGES, len(pages)), (2 * MAX_WAKE_PAGES, len(pages))]
+    join = WakeJoin(parse_notice(parts[0].to_wire()))
+    assert not join.complete
     for part in parts[1:]:
-        whole = whole.joined(parse_notice(part.to_wire()))
-    assert whole.complete and whole == WakeNotice("warm", 7, pages)
+        join.add(parse_notice(part.to_wire()))
+    assert join.complete and join.whole() == WakeNotice("warm", 7, pages)
 
 
 def test_a_wake_without_pages_is_one_complete_notice() -> None:
     (part,) = WakeNotice.parts("cold", 3, [])
-    assert part.complete and part.logical_pages == [] and part.num_logical_pages == 0
+    assert WakeJoin(part).complete and part.logical_pages == [] and part.num_logical_pages == 0
 
 
 @pytest.mark.parametrize("part", [
-    WakeNotice("warm", 8, [5], 3),  # another grant
-    WakeNotice("cold", 7, [5], 3),  # another mode
-    WakeNotice("warm", 7, [5], 4),  # another count
-    WakeNotice("warm", 7, [1], 3),  # a page named twice
-    WakeNotice("warm", 7, [5, 6, 8], 3),  # past the count
+    WakeNotice("warm", 8, [5], 3, 1),  # another grant
+    WakeNotice("cold", 7, [5], 3, 1),  # another mode
+    WakeNotice("warm", 7, [5], 4, 1),  # another count
+    WakeNotice("warm", 7, [1], 3, 1),  # a page named twice
+    WakeNotice("warm", 7, [5], 3, 2),  # not the next part (a part skipped)
+    WakeNotice("warm", 7, [5], 3, 0),  # a wake starting over
 ])
-def test_a_wake_part_out_of_step_is_refused(part: WakeNotice) -> None:
+def test_a_wake_part_out_of_step_is_refused_and_nothing_is_added(part: WakeNotice) -> None:
+    join = WakeJoin(WakeNotice("warm", 7, [1], 3))
     with pytest.raises(BadRequest):
-        WakeNotice("warm", 7, [1], 3).joined(part)
+        join.add(part)
+    assert join.pages == [1] and not join.complete
+
+
+def test_a_wake_cannot_start_with_a_later_part() -> None:
+    with pytest.raises(BadRequest):
+        WakeJoin(WakeNotice("warm", 7, [5], 3, 1))
