@@ -116,16 +116,18 @@ class KVClient:
         addresses); ``cold`` drops it. Raises ``Conflict`` if the engine does
         not quiesce in time or cannot be quiesced (then nothing was freed), and
         ``NoReply`` if no answer came within ``timeout_s`` (the sleep may still
-        complete). A pool of this client sleeps on its owner's word, and is
-        asleep locally when this returns.
+        complete). A pool of this client sleeps on its owner's word, and has
+        slept locally when this returns (an engine's next step may have woken it).
         """
         args: dict[str, Any] = {"name": name, "mode": mode}
         own = self._own_pool(name)
         if own is not None:
             args["token"] = own.lease.token
+        num_sleeps = 0 if own is None else own.core.cell.num_sleeps
         result = self.call("sleep", args, timeout_s=timeout_s)
         if own is not None and str(result.get("state", "")).startswith("sleeping"):
-            own.wait_state(lambda s: s.asleep or s.ended, timeout_s)  # asleep here too on return
+            with own.core.lock:  # asleep here too on return (or woken again already)
+                own.core.cell.wait_slept(num_sleeps, timeout_s)
         return result
 
     def wake(self, name: str, timeout_s: float = 60.0) -> dict[str, Any]:

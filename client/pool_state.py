@@ -64,6 +64,7 @@ class PoolStateCell:
     def __init__(self, lock: Any) -> None:
         self.state = PoolState.ACTIVE
         self.ended = False  # ``state.ended``, as a plain attribute for the engine's fast path
+        self.num_sleeps = 0  # times the pool fell asleep (warm or cold), woken since or not
         self._changed = threading.Condition(lock)
 
     def move(self, new: PoolState) -> None:
@@ -71,8 +72,16 @@ class PoolStateCell:
         assert new in TRANSITIONS[self.state], f"pool state {self.state.value} -> {new.value}"
         self.state = new
         self.ended = new.ended
+        self.num_sleeps += new.asleep
         self._changed.notify_all()
 
     def wait_for(self, accept: Callable[[PoolState], bool], timeout_s: float) -> bool:
         """Wait (lock held; released while waiting) until ``accept(state)``; False on timeout."""
         return self._changed.wait_for(lambda: accept(self.state), timeout_s)
+
+    def wait_slept(self, num_sleeps: int, timeout_s: float) -> bool:
+        """Wait (lock held) until the pool is asleep, has fallen asleep more than ``num_sleeps``
+        times in all (woken since: an engine auto-wakes at once), or ended."""
+        return self._changed.wait_for(
+            lambda: self.state.asleep or self.num_sleeps > num_sleeps or self.ended, timeout_s
+        )

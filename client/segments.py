@@ -9,7 +9,8 @@ hand-over all go through it.
 Invariants: ``pages[lp]`` holds one page per segment exactly while logical page
 lp is mapped in every segment; a failed map leaves nothing half-mapped.
 
-Cost: one backend map or unmap per segment per logical page.
+Cost: one backend map or unmap per segment per logical page; `unmap_all` one unmap per
+run of consecutive logical pages and segment.
 """
 
 from __future__ import annotations
@@ -84,8 +85,21 @@ class SegmentMap:
             self.backend.release_page(page)
 
     def unmap_all(self) -> dict[int, list[PhysicalPage]]:
-        """Unmap every logical page; return them all (handles kept) for a remap or a release."""
-        return {lp: self.unmap(lp) for lp in sorted(self.pages)}
+        """Unmap every logical page; return them all (handles kept) for a remap or a release.
+
+        Cost: one backend unmap per run of consecutive logical pages and segment
+        (a sleep of 1 GiB in 64 KiB pages: 32 calls, not 16,384)."""
+        lps = sorted(self.pages)
+        start = 0
+        for end in range(1, len(lps) + 1):
+            if end == len(lps) or lps[end] != lps[end - 1] + 1:
+                offset, size_bytes = lps[start] * self.page_bytes, (end - start) * self.page_bytes
+                for base in self.bases:
+                    self.backend.unmap(base + offset, size_bytes)
+                start = end
+        pages = {lp: self.pages[lp] for lp in lps}
+        self.pages.clear()
+        return pages
 
     def map_all(self, pages: dict[int, list[PhysicalPage]]) -> None:
         """Map every logical page of ``pages`` (e.g. back after a refused sleep)."""
