@@ -208,21 +208,24 @@ class PoolCore:
         """Map pages until ``ahead_blocks`` are free, ahead of need (lock held): False when the
         daemon has no memory to spare (it asks nobody for these), or this pool owes pages."""
         if self.owed_pages:
-            return self.allocator.num_free >= min(self.ahead_blocks, self.allocator.num_blocks)
+            return self._has_free(self.ahead_blocks)
         return self._grow_to(self.ahead_blocks, ahead=True)
 
     def _grow_to(self, num_blocks: int, ahead: bool) -> bool:
-        want = min(num_blocks, self.allocator.num_blocks)
-        if self.cell.state is not PoolState.ACTIVE or want <= self.allocator.num_free:
+        if self.cell.state is not PoolState.ACTIVE or self._has_free(num_blocks):
             return True
-        try:
-            self.grow_for(want, wait_s=0, probe=True, ahead=ahead)  # one round trip: what it has
+        try:  # one round trip: what the daemon has
+            self.grow_for(min(num_blocks, self.allocator.num_blocks), wait_s=0, probe=True, ahead=ahead)
         except PoolExhausted:
             return False
         return True
 
     def reserve_mapped(self) -> bool:
-        return self.allocator.num_free >= min(self.reserve_blocks, self.allocator.num_blocks)
+        return self._has_free(self.reserve_blocks)
+
+    def _has_free(self, num_blocks: int) -> bool:
+        """At least ``num_blocks`` blocks free (or every block of the pool). O(1)."""
+        return self.allocator.num_free >= min(num_blocks, self.allocator.num_blocks)
 
     def num_returnable(self, spare: list[int]) -> int:
         """How many of ``spare`` (spare pages) may go without leaving fewer than

@@ -15,7 +15,7 @@ the daemon:
    grow still short at its ``wait_s`` (the client's, at most ``wait_s`` here)
    is answered ``NO_MEMORY``.
 
-Ahead of need (``ask_ahead``, each tick): while fewer than ``LOW_WATER`` of
+Ahead of need (``ask_ahead``, each tick): while fewer than ``shares.LOW_WATER`` of
 the pages are free and no grow is parked, the daemon asks the tenants holding
 the most above their ``min_bytes`` (per unit of weight) for what is missing, at
 most once per ``ASK_AHEAD_S``. A pool gives spare pages and cache-only pages,
@@ -56,7 +56,7 @@ from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.device_pages import DevicePages
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reply import PendingReply
-from kvdaemon.daemon.shares import LOW_WATER, Shares
+from kvdaemon.daemon.shares import Shares
 from kvdaemon.daemon.sleep import Sleeper
 from kvdaemon.daemon.tenant import Tenant, Tenants, TenantState
 from kvdaemon.errors import KVDaemonError, NoMemory, UnknownTenant
@@ -64,7 +64,6 @@ from kvdaemon.wire.messages import FreeNotice, ReclaimNotice
 
 log = logging.getLogger("kvdaemon.reclaim")
 ASK_AHEAD_S = 0.25  # at most one such ask per this interval
-ASK_REPEAT_S = 1.0  # a victim still owing an ask this recent is not sent the same ask again
 
 
 @dataclass
@@ -141,7 +140,7 @@ class Reclaimer:
 
     def ask_ahead(self, now: float) -> None:
         """Keep ``LOW_WATER`` of the pages free: ask the largest holders for what is missing."""
-        short = int(self.pages.num_pages * LOW_WATER) - self.pages.num_free
+        short = self.shares.low_water_pages - self.pages.num_free
         if short <= 0 or self.parked or now < self._next_ask_ahead:
             return
         self._next_ask_ahead = now + ASK_AHEAD_S

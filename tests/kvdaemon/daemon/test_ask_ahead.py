@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvdaemon.daemon.reclaim import ASK_AHEAD_S, LOW_WATER
+from kvdaemon.daemon.reclaim import ASK_AHEAD_S
+from kvdaemon.daemon.shares import LOW_WATER
 
 from tests.kvdaemon.daemon.test_service import NUM_PAGES, Harness
 

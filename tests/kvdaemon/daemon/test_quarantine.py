@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvdaemon.daemon.quarantine import process_start
+from kvdaemon.errors import PoolExhausted
 
 from tests.conftest import RunningDaemon, running_daemon, small_spec, wait_until
 from tests.kvdaemon.daemon.test_reclaim_share import tokens
@@ -126,7 +127,7 @@ def test_a_hostile_live_tenant_never_sees_its_pages_freed_or_regranted(kvd: Runn
         while True:  # take every page the daemon will give
             try:
                 blocks += pool.alloc(pool.blocks_per_page)
-            except Exception:  # PoolExhausted: the daemon has no more
+            except PoolExhausted:  # the daemon has no more
                 break
         pool.key_cache(0)[blocks] = 1.0
         kvd.check_invariants()
