@@ -17,6 +17,10 @@ Classes of traces, each seed one trace replayed in both modes:
   whole third (within one logical page) or were preempted. Targets: contended, elastic TTFT p99 <= 0.5x static;
   uncontended, TTFT mean <= 1.1x and p99 <= 1.2x static; every seed,
   throughput >= 0.95x static.
+- light seeds (``--light-seeds``): the same bursty traces at ``LIGHT_RATE`` of
+  those rates, so the family holds traces where memory is plentiful whatever
+  the machine's speed; each is classed as measured (contended or not) and
+  held to that class's targets.
 - overload (``--overload-seeds``, ``traces.steady_trace``): every tenant at one
   steady rate, in all 1.5x the requests/s the engines served in the
   calibration run (static mode, every request queued at once), so queues build
@@ -33,8 +37,8 @@ preemptions, the ratios and their verdicts; then the worst ratio per class.
 Plots of one seed (``--plot-seed``, default the first): stacked memory per
 tenant over time, TTFT CDFs. Results: ``bench/results/multitenant.json``.
 
-Run: ``python bench/multitenant.py [--seeds 0-7] [--overload-seeds 0-1]``
-(about 3 minutes per bursty seed and 4 per overload seed on 2 cores, with the
+Run: ``python bench/multitenant.py [--seeds 0-7] [--light-seeds 0-3] [--overload-seeds 0-1]``
+(about 3 minutes per bursty or light seed and 4 per overload seed on 2 cores, with the
 default repeats; ``bench`` extra for the plots).
 """
 
@@ -65,6 +69,7 @@ UNCONTENDED_MEAN, UNCONTENDED_P99 = 1.1, 1.2
 THROUGHPUT = 0.95
 OVERLOAD_FACTOR = 1.5
 OVERLOAD_S = 20.0
+LIGHT_RATE = 0.5  # the light seeds' rates, of the bursty traces' (calibrated) rates
 CALIBRATION_REQUESTS = 30  # per tenant
 DESIGN_SERVED_RPS = 12.0  # the calibration figure the bursty trace's rates were chosen for
 
@@ -126,11 +131,11 @@ def calibrate(models: list[Any], shape: TraceShape, capacity: int, budget: int) 
     return len(burst) / run.makespan_s
 
 
-def print_seed(cls: str, seed: int, results: dict[str, Any], r: dict[str, float]) -> None:
+def print_seed(cls: str, seed: str, results: dict[str, Any], r: dict[str, float]) -> None:
     s, e = results["static"]["overall"], results["elastic"]["overall"]
     met = verdicts(cls, r)
     missed = ",".join(k for k, v in met.items() if not v)
-    print(f"{cls:<12}{seed:>5}{s['requests']:>6}{s['ttft_mean_s']:>9.3f}{e['ttft_mean_s']:>9.3f}"
+    print(f"{cls:<12}{seed:>6}{s['requests']:>6}{s['ttft_mean_s']:>9.3f}{e['ttft_mean_s']:>9.3f}"
           f"{s['ttft_p99_s']:>9.3f}{e['ttft_p99_s']:>9.3f}{s['tokens_per_s']:>9.0f}{e['tokens_per_s']:>9.0f}"
           f"{s['preemptions']:>7}{e['preemptions']:>7}  {r['ttft_mean']:5.2f}x {r['ttft_p99']:5.2f}x "
           f"{r['throughput']:5.3f}x  {'MISS ' + missed if missed else 'PASS'}")
@@ -183,6 +188,8 @@ def plot(runs: dict[str, ModeRun], models: list[Any], capacity: int, seed: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0-7", help="bursty trace seeds, e.g. 0-7 or 0,3,5")
+    parser.add_argument("--light-seeds", default="0-3",
+                        help=f"bursty seeds replayed at {LIGHT_RATE:g}x the bursty rates ('' for none)")
     parser.add_argument("--overload-seeds", default="0-1", help="steady overload trace seeds ('' for none)")
     parser.add_argument("--repeats", type=int, default=2, help="replays of each bursty seed per mode, pooled")
     parser.add_argument("--overload-repeats", type=int, default=3, help="replays of each overload seed per mode")
@@ -201,6 +208,7 @@ def main() -> None:
     spec = kv_spec_for(models[0], BLOCK)
     third, logical_page = third_bytes(capacity, spec), spec.num_segments * PAGE_BYTES
     seeds, overload_seeds = seed_list(opts.seeds), seed_list(opts.overload_seeds)
+    light_seeds = seed_list(opts.light_seeds)
     plot_seed = opts.plot_seed if opts.plot_seed is not None else (seeds or [None])[0]
     if plot_seed is not None and not available():
         print('no plots: they need matplotlib (pip install -e ".[bench]")')
@@ -213,25 +221,28 @@ def main() -> None:
     rate = OVERLOAD_FACTOR * served / shape.num_tenants
     print(f"calibration: the engines served {served:.2f} req/s in static mode with all requests queued; "
           f"bursty rates x{rate_scale:.2f} (base {bursty_shape.base_rate:.2f}, peak {bursty_shape.peak_rate:.2f} "
-          f"req/s per tenant); overload {rate:.2f} req/s per tenant for {OVERLOAD_S:.0f} s")
+          f"req/s per tenant; light seeds L* x{LIGHT_RATE:g} of that); overload {rate:.2f} req/s per tenant for {OVERLOAD_S:.0f} s")
     rows: list[dict[str, Any]] = []
-    header = (f"{'class':<12}{'seed':>5}{'reqs':>6}{'mean s':>9}{'mean e':>9}{'p99 s':>9}{'p99 e':>9}"
+    header = (f"{'class':<12}{'seed':>6}{'reqs':>6}{'mean s':>9}{'mean e':>9}{'p99 s':>9}{'p99 e':>9}"
               f"{'tok/s s':>9}{'tok/s e':>9}{'pre s':>7}{'pre e':>7}   mean    p99   tput")
     print(header)
-    for seed in seeds:
-        done = run_seed(models, bursty_trace(bursty_shape, seed), capacity, opts.budget, opts.repeats)
+    light_shape = replace(bursty_shape, base_rate=bursty_shape.base_rate * LIGHT_RATE,
+                          peak_rate=bursty_shape.peak_rate * LIGHT_RATE)
+    bursty = [(seed, str(seed), bursty_shape) for seed in seeds]
+    for seed, label, trace_shape in bursty + [(seed, f"L{seed}", light_shape) for seed in light_seeds]:
+        done = run_seed(models, bursty_trace(trace_shape, seed), capacity, opts.budget, opts.repeats)
         cls = "contended" if contended(done["results"]["static"], third, logical_page) else "uncontended"
         r = ratios(done["results"])
-        rows.append({"class": cls, "seed": seed, "ratios": r, "results": done["results"]})
-        print_seed(cls, seed, done["results"], r)
-        if seed == plot_seed:
+        rows.append({"class": cls, "seed": label, "ratios": r, "results": done["results"]})
+        print_seed(cls, label, done["results"], r)
+        if label == str(plot_seed):
             plot(done["runs"], models, capacity, seed)
     for seed in overload_seeds:
         done = run_seed(models, steady_trace(shape, seed, rate, OVERLOAD_S), capacity, opts.budget,
                         opts.overload_repeats)
         r = ratios(done["results"])
-        rows.append({"class": "overload", "seed": seed, "ratios": r, "results": done["results"]})
-        print_seed("overload", seed, done["results"], r)
+        rows.append({"class": "overload", "seed": str(seed), "ratios": r, "results": done["results"]})
+        print_seed("overload", str(seed), done["results"], r)
     worst = print_worst(rows)
     save("multitenant", {"capacity_bytes": capacity, "third_bytes": third, "served_rps": served,
                          "bursty_rate_scale": rate_scale, "overload_rate_per_tenant": rate,

@@ -90,7 +90,7 @@ def check(pool: KVPool, blocks: list[int]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     ours, base, fresh = [], [], []
     with daemon_process("1100MiB") as client:

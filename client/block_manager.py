@@ -29,6 +29,15 @@ list. This assumes the source can hand back blocks it was just given (``free(k)`
 then ``alloc(k)`` succeeds); if it cannot, the call still raises cleanly, but the
 evicted blocks stay evicted.
 
+Own cache first (``scarce_free_blocks``, a ``KVPool``'s): while the source says
+its provider has nothing to spare (it returns the blocks free without asking,
+not ``None``), an allocation of more than that evicts the shortfall from the
+cache first, as far as the cache allows, so the blocks come from this engine's
+own cached blocks instead of the daemon's last free pages (kept for other
+tenants' real need, and asked back from the largest holder anyway). Eviction
+here is O(1) per block and needs no round trip; if the allocation still fails,
+the evicted blocks stay evicted (free in the source), as above.
+
 Costs: ``add_sequence`` O(len(tokens)) (hashing); ``append_tokens`` O(len(tokens));
 ``fork`` O(blocks of the sequence) plus one ``copy_blocks``; ``free_sequence``
 O(blocks); eviction O(1) per victim.
@@ -92,10 +101,14 @@ def _locked(method: Callable[..., _T]) -> Callable[..., _T]:
 class BlockManager:
     """Block tables for sequences over ``source``; see the module docstring for invariants."""
 
-    def __init__(self, source: BlockSource, salt: bytes = b"", enable_prefix_cache: bool = True) -> None:
+    def __init__(
+        self, source: BlockSource, salt: bytes = b"", enable_prefix_cache: bool = True,
+        scarce_free_blocks: Callable[[], int | None] | None = None,
+    ) -> None:
         if source.block_size <= 0:
             raise BadRequest(f"block_size must be positive, got {source.block_size}")
         self.source = source
+        self.scarce_free_blocks = scarce_free_blocks  # see "Own cache first" in the module docstring
         self.block_size = source.block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.cache = PrefixCache(source.blocks_per_page, salt)
@@ -294,10 +307,19 @@ class BlockManager:
                 seq.chain = self.cache.register(seq.blocks[first_full + i], seq.chain, block_tokens)
         del seq.tail[:num_full * size]
 
+    def _evict_if_scarce(self, n: int) -> None:
+        """While the source's provider is short, free cached blocks for what ``n`` lacks."""
+        if self.scarce_free_blocks is None or not self.cache.num_evictable:
+            return
+        num_free = self.scarce_free_blocks()
+        if num_free is not None and num_free < n:
+            self.source.free(self.cache.evict(min(n - num_free, self.cache.num_evictable)))
+
     def _allocate(self, n: int) -> list[int]:
         """``n`` blocks from the source, evicting cached blocks if short; all-or-nothing."""
         if n <= 0:
             return []
+        self._evict_if_scarce(n)
         try:
             return self.source.alloc(n)
         except PoolExhausted:

@@ -52,6 +52,12 @@ class EnginePool(BlockSource, Protocol):
         """V of ``layer``, same shape as ``key_cache``."""
         ...
 
+    def scarce_free_blocks(self) -> int | None:
+        """While more blocks would come from memory the pool's provider keeps for real need,
+        the blocks free now (the engine then reuses its own cached blocks first); ``None``
+        while growing is cheap. O(1)."""
+        ...
+
     def wake(self) -> None:
         """Return once the pool is awake; raises (``Asleep``, ``NoMemory``...) if it cannot be yet."""
         ...

@@ -54,7 +54,7 @@ from kvdaemon.wire.messages import (
 
 log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
-REPORT_MIN_S = 0.25  # changed figures (used bytes, activity) are told at most this often
+REPORT_MIN_S = 1.0  # changed figures (used bytes, activity) are told at most this often (a heartbeat)
 GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon, then twice as late each time
 GROW_RETRY_MAX_S = 1.0  # ... up to this (a ``free`` notice ends the wait sooner)
 

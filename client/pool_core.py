@@ -92,6 +92,7 @@ class PoolCore:
         self.ahead_blocks = 0  # mapped ahead of need, kept until asked for (``keep_free``)
         self.refused_at = float("-inf")  # when the daemon last had no memory for a grow
         self.refused_pages = 0  # ... of how many logical pages (smaller grows still ask)
+        self.ahead_refused_at = float("-inf")  # when the daemon last had nothing to spare ahead of need
         self.pending_return: set[int] = set()  # unmapped here, shrink not yet confirmed
         self.num_block_losses = 0  # times every block was dropped (cold sleep, empty restart)
         self.active = False  # the engine stepped since the last heartbeat (``note_activity``)
@@ -186,13 +187,17 @@ class PoolCore:
                 with self.lock.open_gate():  # candidates stay unmapped: only lock holders map
                     granted = self.lease.grow(candidates, wait, min_pages=1 if probe else needed, ahead=ahead)
             except NoMemory as exc:
-                if not ahead:
+                if ahead:
+                    self.ahead_refused_at = time.monotonic()
+                else:
                     self.refused_at, self.refused_pages = time.monotonic(), needed
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
             except OverLimit as exc:
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
             self.map_grant(granted)
-            if not ahead:
+            if ahead:
+                self.ahead_refused_at = float("-inf")
+            else:
                 self.owed_pages = 0  # the daemon granted real need: it no longer wants pages back
             self.refused_at = float("-inf")
             if probe:
@@ -219,6 +224,11 @@ class PoolCore:
         except PoolExhausted:
             return False
         return True
+
+    def scarce(self) -> bool:
+        """The daemon refused a grow ahead of need within ``REFUSED_S`` and granted none since:
+        what it has free is its low-water reserve, kept for real need. O(1), no lock."""
+        return time.monotonic() - self.ahead_refused_at < REFUSED_S
 
     def reserve_mapped(self) -> bool:
         return self._has_free(self.reserve_blocks)

@@ -39,9 +39,10 @@ Guarantees:
   tenants (``grow_wait_s``, default 0): a step never stalls on the daemon.
   After each step the pool is told what the next one will take
   (``keep_free``): it maps that ahead in the background, so prefills rarely
-  wait for a grow, and a reclaim never takes it. While work is unfinished a
-  budget's worth more is mapped ahead of need (for requests arriving before
-  the next step) where memory is plentiful; a reclaim takes that floor.
+  wait for a grow, and a reclaim never takes it. A budget's worth more is
+  mapped ahead of need (for requests arriving before the next step, or the
+  first of a burst on an idle engine) where memory is plentiful; a reclaim,
+  or the daemon's ask at its low water, takes that floor.
 
 The model runs with ``hf_attention.ATTENTION_NAME`` inside the engine's
 forwards only: between steps it is unchanged (its own ``generate`` works). The
@@ -110,7 +111,8 @@ class Engine:
         self.clock = clock
         self.attention_impl = attention_impl
         self.stop_token_ids = frozenset(_default_stops(model) if stop_token_ids is None else stop_token_ids)
-        self.manager = BlockManager(pool, enable_prefix_cache=enable_prefix_cache)
+        self.manager = BlockManager(pool, enable_prefix_cache=enable_prefix_cache,
+                                    scarce_free_blocks=pool.scarce_free_blocks)
         self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs,
                                    owed_blocks=lambda: pool.owed_pages * pool.blocks_per_page)
         self.max_num_tokens = pool.num_blocks * pool.block_size
@@ -221,11 +223,11 @@ class Engine:
 
     def _keep_free(self, num_blocks: int) -> None:
         """Tell the pool what the next step will take (it maps that ahead, in the background),
-        that a budget's worth of spare pages may stay mapped while nobody needs them, and,
-        while work is unfinished, that a budget's worth may be mapped ahead of need."""
+        and that a budget's worth of blocks may be mapped ahead of need and stay mapped while
+        nobody needs them (the daemon grants those only from memory above its low water and
+        asks them back first), so the first prefill of a burst finds them mapped."""
         budget = 0 if self._closed else min(self.scheduler.budget_blocks, self.pool.num_blocks)
-        ahead = budget if self.scheduler.has_work else 0
-        reserve = (min(num_blocks, self.pool.num_blocks), budget, ahead)
+        reserve = (min(num_blocks, self.pool.num_blocks), budget, budget)
         if reserve != self._reserve:
             self._reserve = reserve
             self.pool.keep_free(*reserve)

@@ -256,6 +256,32 @@ def test_cache_hits_are_not_evicted_to_make_room_for_their_own_sequence() -> Non
     assert stored_tokens(manager, source, "b") == [1, 2, 5, 6, 7]
 
 
+@pytest.mark.parametrize("scarce", [None, 1, 3])
+def test_own_cache_first_while_the_source_is_scarce(scarce: int | None) -> None:
+    """While the source says its provider is short (mapped free count, not None), the
+    shortfall is evicted from the cache before allocating; otherwise the cache stays."""
+    source = FakeSource(num_blocks=16, block_size=2, blocks_per_page=2)
+    manager = BlockManager(source, scarce_free_blocks=lambda: scarce)
+    add_and_write(manager, source, "a", [1, 2, 3, 4, 5, 6])  # 3 full blocks, cached once freed
+    manager.free_sequence("a")
+    assert manager.num_evictable_blocks == 3
+    add_and_write(manager, source, "b", [9] * 7)  # 4 fresh blocks
+    evicted = 0 if scarce is None else min(3, 4 - scarce)
+    assert manager.num_evictable_blocks == 3 - evicted
+    assert len(source.allocated) == 3 - evicted + 4
+    assert stored_tokens(manager, source, "b") == [9] * 7
+    check_invariants(manager, source, {"b": manager.block_table("b")})
+
+
+def test_own_cache_first_keeps_cache_hits_of_the_new_sequence() -> None:
+    source = FakeSource(num_blocks=16, block_size=2, blocks_per_page=2)
+    manager = BlockManager(source, scarce_free_blocks=lambda: 0)
+    add_and_write(manager, source, "a", [1, 2, 3, 4])
+    manager.free_sequence("a")
+    assert add_and_write(manager, source, "b", [1, 2, 3, 4, 5]) == 4  # both cached blocks hit
+    assert manager.num_held_blocks == 3 and stored_tokens(manager, source, "b") == [1, 2, 3, 4, 5]
+
+
 @pytest.mark.parametrize("op", ["add", "append", "fork"])
 def test_pool_exhausted_changes_nothing(op: str) -> None:
     source = FakeSource(num_blocks=6, block_size=2, blocks_per_page=2)

@@ -306,3 +306,20 @@ def test_the_cache_is_evicted_for_the_floor_once_per_refused_floor_grow(kvd: Run
     pool.close()
     hog.free(held)
     hog.close()
+
+
+def test_the_pool_says_memory_is_scarce_while_its_floor_is_refused(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    pool.keep_free(0, 0, BLOCKS_PER_PAGE)
+    wait_until(lambda: pool.num_free_blocks >= BLOCKS_PER_PAGE, 10, "the floor was never mapped ahead")
+    assert pool.scarce_free_blocks() is None, "memory to spare: growing is cheap"
+    hog, held = occupy(client, 6)  # one logical page free besides a's: under the low water
+    pool.keep_free(0, 0, 2 * BLOCKS_PER_PAGE)  # a larger floor the daemon cannot spare
+    wait_until(lambda: pool.scarce_free_blocks() is not None, 10, "the floor was never refused")
+    assert pool.scarce_free_blocks() == pool.num_free_blocks == BLOCKS_PER_PAGE
+    hog.free(held)
+    hog.close()
+    wait_until(lambda: pool.num_free_blocks >= 2 * BLOCKS_PER_PAGE, 10, "the floor was not mapped once memory was free")
+    assert pool.scarce_free_blocks() is None
+    pool.close()

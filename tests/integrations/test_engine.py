@@ -88,6 +88,34 @@ def test_shared_prefixes_are_computed_once(client: KVClient, model: Any) -> None
     pool.close()
 
 
+class ScarcePool(LocalPool):
+    """A local pool that, while ``scarce``, says only two blocks are free without asking its
+    provider for more (as a ``KVPool`` does while the daemon has nothing to spare)."""
+
+    scarce = False
+
+    def scarce_free_blocks(self) -> int | None:
+        return min(2, self.num_free_blocks) if self.scarce else None
+
+
+@pytest.mark.parametrize("scarce", [False, True])
+def test_a_scarce_pool_makes_the_engine_reuse_its_own_cache_first(model: Any, scarce: bool) -> None:
+    pool = ScarcePool(kv_spec_for(model, BLOCK), num_blocks=64)
+    engine = Engine(model, pool)
+    prompts = random_prompts([40, 40], seed=3)
+    engine.generate(prompts[:1], NEW)
+    cached = engine.manager.num_cached_tokens(prompts[0])
+    assert cached >= 36  # the first prompt's full blocks are cached
+    pool.scarce = scarce
+    outputs = engine.generate(prompts[1:], NEW)  # 10 blocks for the prompt, none shared
+    assert outputs == reference_outputs(model, prompts[1:], NEW)
+    if scarce:  # the blocks past the two free ones came from the first prompt's cached blocks
+        assert engine.manager.num_cached_tokens(prompts[0]) < cached
+    else:  # blocks free in the pool: the cache is kept
+        assert engine.manager.num_cached_tokens(prompts[0]) == cached
+    engine.close()
+
+
 def test_a_tiny_local_pool_preempts_and_still_matches(model: Any) -> None:
     prompts = random_prompts([30, 25, 33, 28, 20])
     pool = LocalPool(kv_spec_for(model, BLOCK), num_blocks=24)  # one request's worst case is 12
