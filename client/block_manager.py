@@ -31,12 +31,13 @@ evicted blocks stay evicted.
 
 Own cache first (``scarce_free_blocks``, a ``KVPool``'s): while the source says
 its provider has nothing to spare (it returns the blocks free without asking,
-not ``None``), an allocation of more than that evicts the shortfall from the
-cache first, as far as the cache allows, so the blocks come from this engine's
-own cached blocks instead of the daemon's last free pages (kept for other
-tenants' real need, and asked back from the largest holder anyway). Eviction
-here is O(1) per block and needs no round trip; if the allocation still fails,
-the evicted blocks stay evicted (free in the source), as above.
+an int, not ``None``), an allocation of ``n`` more than that ``f`` whose
+shortfall the cache holds takes ``f`` blocks first, then evicts ``n - f``
+(the order above: if the first part fails nothing was evicted), so the blocks
+come from this engine's own cached blocks instead of the daemon's last free
+pages (kept for other tenants' real need, and asked back from the largest
+holder anyway). A shortfall the cache cannot cover goes the ordinary way.
+Eviction here is O(1) per block and needs no round trip.
 
 Costs: ``add_sequence`` O(len(tokens)) (hashing); ``append_tokens`` O(len(tokens));
 ``fork`` O(blocks of the sequence) plus one ``copy_blocks``; ``free_sequence``
@@ -307,25 +308,31 @@ class BlockManager:
                 seq.chain = self.cache.register(seq.blocks[first_full + i], seq.chain, block_tokens)
         del seq.tail[:num_full * size]
 
-    def _evict_if_scarce(self, n: int) -> None:
-        """While the source's provider is short, free cached blocks for what ``n`` lacks."""
+    def _scarce_shortfall(self, n: int) -> int:
+        """While the source's provider is short: the blocks of ``n`` to take from the cache
+        (what the free ones lack, when the cache holds that many); else 0. O(1)."""
         if self.scarce_free_blocks is None or not self.cache.num_evictable:
-            return
+            return 0
         num_free = self.scarce_free_blocks()
-        if num_free is not None and num_free < n:
-            self.source.free(self.cache.evict(min(n - num_free, self.cache.num_evictable)))
+        if type(num_free) is not int:
+            return 0  # None: growing is cheap (anything else is not an answer)
+        short = n - max(0, num_free)
+        return short if 0 < short <= self.cache.num_evictable else 0
 
     def _allocate(self, n: int) -> list[int]:
         """``n`` blocks from the source, evicting cached blocks if short; all-or-nothing."""
         if n <= 0:
             return []
-        self._evict_if_scarce(n)
-        try:
-            return self.source.alloc(n)
-        except PoolExhausted:
-            if self.cache.num_evictable == 0:
-                raise
-        direct = max(0, n - self.cache.num_evictable)
+        short = self._scarce_shortfall(n)
+        if short:
+            direct = n - short  # free in the source: taken first, so a failure changes nothing
+        else:
+            try:
+                return self.source.alloc(n)
+            except PoolExhausted:
+                if self.cache.num_evictable == 0:
+                    raise
+            direct = max(0, n - self.cache.num_evictable)
         held = self.source.alloc(direct) if direct else []
         rest = n - direct
         self.source.free(self.cache.evict(rest))

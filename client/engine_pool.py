@@ -4,8 +4,11 @@
 ``kvdaemon.integrations.hf.Engine`` runs over either. It extends the
 ``BlockManager``'s ``BlockSource`` (blocks: ``alloc``/``free``/``copy_blocks``)
 with the per-layer K/V tensors, the layout, the sleep state the engine reads, and
-the hooks it installs. Importing this module imports neither torch nor the daemon
-client.
+the hooks it installs. Optional, read with ``getattr`` (a pool without it is
+still one): ``scarce_free_blocks()``, while more blocks would come from memory the
+pool's provider keeps for real need the blocks free now, else ``None``
+(``KVPool``'s; the engine's ``BlockManager`` then reuses its own cached blocks
+first). Importing this module imports neither torch nor the daemon client.
 """
 
 from __future__ import annotations
@@ -50,12 +53,6 @@ class EnginePool(BlockSource, Protocol):
 
     def value_cache(self, layer: int) -> torch.Tensor:
         """V of ``layer``, same shape as ``key_cache``."""
-        ...
-
-    def scarce_free_blocks(self) -> int | None:
-        """While more blocks would come from memory the pool's provider keeps for real need,
-        the blocks free now (the engine then reuses its own cached blocks first); ``None``
-        while growing is cheap. O(1)."""
         ...
 
     def wake(self) -> None:

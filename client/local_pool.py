@@ -55,10 +55,6 @@ class LocalPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def scarce_free_blocks(self) -> int | None:
-        """Always ``None``: a fixed pool has nothing more to ask anyone for."""
-        return None
-
     def key_cache(self, layer: int) -> torch.Tensor:
         return self._caches[2 * self._layer(layer)]
 

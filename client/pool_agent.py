@@ -22,7 +22,8 @@ refused while the daemon has nothing free for it, then tried again after
 twice as late up to ``GROW_RETRY_MAX_S``; the reserve at once on a ``free``
 notice, and a refused floor never holds the reserve back; while the daemon
 has no memory to spare for the floor, the engine's own cache-only blocks are
-evicted for it, so its allocations still find blocks without a round trip), returns
+evicted for it while the engine works, so its allocations still find blocks
+without a round trip), returns
 excess spare pages, retries unconfirmed returns, and tells the daemon
 ``used_bytes``, whether the pool can be quiesced and whether the engine
 stepped, when they changed (used bytes and activity at most every ``REPORT_MIN_S``:
@@ -98,6 +99,7 @@ class PoolAgent:
         self._floor_refused = False  # the daemon just refused the floor: evict the cache for it, once
         self._report_at = 0.0  # no heartbeat before this, unless a whole HEARTBEAT_S passed
         self._active = False  # the engine stepped since the last heartbeat
+        self._active_at = float("-inf")  # when the agent last saw the engine step
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"kvpool-{self.core.name}", daemon=True)
@@ -225,8 +227,10 @@ class PoolAgent:
                 core.return_excess()
             core.retry_returns()
             report = self._report()
-        self._active, core.active = self._active or core.active, False
         now = time.monotonic()
+        if core.active:
+            self._active_at = now
+        self._active, core.active = self._active or core.active, False
         urgent = self._reported is None or report[1] != self._reported[1]  # sleepable: told at once
         if urgent or ((report != self._reported or self._active) and now >= self._report_at):
             core.lease.heartbeat(used_bytes=report[0], sleepable=report[1], active=self._active)
@@ -246,11 +250,14 @@ class PoolAgent:
     def _floor_from_cache(self) -> None:
         """Evict the engine's cache-only blocks (its reclaim hook, without the lock: the hook
         takes the engine's locks) until the floor is free, as far as the cache allows; once
-        per refused floor grow, so at most as often as the floor's back-off allows."""
+        per refused floor grow, so at most as often as the floor's back-off allows, and only
+        while the engine works (it stepped within ``HEARTBEAT_S``): an idle engine's cache
+        stays, and its next allocation evicts what it needs (``BlockManager``)."""
         self._floor_refused = False
         core, hook = self.core, self.core.reclaim_hook
         missing = min(core.ahead_blocks, core.allocator.num_blocks) - core.allocator.num_free
-        if hook is not None and missing > 0 and core.state is PoolState.ACTIVE:
+        working = core.active or time.monotonic() - self._active_at < HEARTBEAT_S
+        if hook is not None and missing > 0 and working and core.state is PoolState.ACTIVE:
             hook(missing)
 
     def _detached(self) -> None:

@@ -324,6 +324,14 @@ class PoolCore:
                 self._return(spare)
             return len(spare)
 
+    def return_all_spare(self) -> int:
+        """Give back every spare page but logical page 0 (lock held; before a warm sleep, so
+        the daemon saves only pages with blocks). Returns how many went."""
+        spare = [lp for lp in self.allocator.spare_pages() if lp != 0]
+        if spare:
+            self._return(spare)
+        return len(spare)
+
     def _return(self, lps: list[int]) -> None:
         for lp in lps:
             self.allocator.remove_page(lp)

@@ -7,7 +7,9 @@ Sleep (``sleep_pool``), in the order that keeps both sides agreeing:
    ``sleep_ready(refused)`` and nothing changes;
 2. the engine's quiesce hook returns (its step is done, and it takes no other
    until the resume hook runs);
-3. holding the pool's lock: every page is unmapped (handles kept), the state
+3. holding the pool's lock: a warm sleeper first gives its spare pages back
+   (pages without a block, but logical page 0: nothing to save on them); every
+   page is unmapped (handles kept), the state
    is ``SLEEP_PENDING``, and the daemon is told ``sleep_ready``. The pool waits
    for the daemon's decision as long as the daemon lives, however long a warm
    save takes: a timeout is not a decision;
@@ -54,6 +56,8 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
         if core.state is not PoolState.ACTIVE:
             core.lease.sleep_ready(notice.sleep_id, refused=True)
             return
+        if notice.mode == "warm":
+            core.return_all_spare()  # empty pages are not worth a copy to host memory
         allocator = core.allocator
         pages = core.segments.unmap_all()
         core.allocator = core.new_allocator()

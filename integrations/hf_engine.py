@@ -112,7 +112,7 @@ class Engine:
         self.attention_impl = attention_impl
         self.stop_token_ids = frozenset(_default_stops(model) if stop_token_ids is None else stop_token_ids)
         self.manager = BlockManager(pool, enable_prefix_cache=enable_prefix_cache,
-                                    scarce_free_blocks=pool.scarce_free_blocks)
+                                    scarce_free_blocks=getattr(pool, "scarce_free_blocks", None))
         self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs,
                                    owed_blocks=lambda: pool.owed_pages * pool.blocks_per_page)
         self.max_num_tokens = pool.num_blocks * pool.block_size

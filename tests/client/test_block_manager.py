@@ -256,21 +256,34 @@ def test_cache_hits_are_not_evicted_to_make_room_for_their_own_sequence() -> Non
     assert stored_tokens(manager, source, "b") == [1, 2, 5, 6, 7]
 
 
-@pytest.mark.parametrize("scarce", [None, 1, 3])
-def test_own_cache_first_while_the_source_is_scarce(scarce: int | None) -> None:
-    """While the source says its provider is short (mapped free count, not None), the
-    shortfall is evicted from the cache before allocating; otherwise the cache stays."""
+@pytest.mark.parametrize("scarce", [None, 0, 1, 3, -5, "2", 1.5])
+def test_own_cache_first_while_the_source_is_scarce(scarce: object) -> None:
+    """While the source says its provider is short (the blocks free without asking, an int),
+    a shortfall the cache holds is evicted before allocating; anything else keeps the cache."""
     source = FakeSource(num_blocks=16, block_size=2, blocks_per_page=2)
-    manager = BlockManager(source, scarce_free_blocks=lambda: scarce)
+    manager = BlockManager(source, scarce_free_blocks=lambda: scarce)  # type: ignore[arg-type, return-value]
     add_and_write(manager, source, "a", [1, 2, 3, 4, 5, 6])  # 3 full blocks, cached once freed
     manager.free_sequence("a")
     assert manager.num_evictable_blocks == 3
     add_and_write(manager, source, "b", [9] * 7)  # 4 fresh blocks
-    evicted = 0 if scarce is None else min(3, 4 - scarce)
+    short = 4 - max(0, scarce) if type(scarce) is int else 0
+    evicted = short if 0 < short <= 3 else 0  # a shortfall past the cache goes the ordinary way
     assert manager.num_evictable_blocks == 3 - evicted
     assert len(source.allocated) == 3 - evicted + 4
     assert stored_tokens(manager, source, "b") == [9] * 7
     check_invariants(manager, source, {"b": manager.block_table("b")})
+
+
+def test_own_cache_first_changes_nothing_when_the_free_part_fails() -> None:
+    source = FakeSource(num_blocks=6, block_size=2, blocks_per_page=2)
+    manager = BlockManager(source, scarce_free_blocks=lambda: 3)  # stale: only 1 is free
+    add_and_write(manager, source, "a", [1, 2, 3, 4])  # 2 cached once freed
+    manager.free_sequence("a")
+    add_and_write(manager, source, "d", [7] * 6)  # 3 held: 1 block free
+    before = snapshot(manager, source, ["a", "b", "d"])
+    with pytest.raises(PoolExhausted):
+        manager.add_sequence("b", [5] * 9)  # 5 blocks: 3 "free" first (fails), then 2 from the cache
+    assert snapshot(manager, source, ["a", "b", "d"]) == before, "the cache was evicted for a failed call"
 
 
 def test_own_cache_first_keeps_cache_hits_of_the_new_sequence() -> None:

@@ -231,6 +231,7 @@ def test_the_floor_comes_from_the_engines_own_cache_when_the_daemon_has_none_to_
         return len(gone)
 
     pool.reclaim_hook = evict
+    pool.note_activity()  # the engine works
     pool.keep_free(0, 0, 2 * BLOCKS_PER_PAGE)  # a floor the daemon cannot spare
     wait_until(lambda: pool.num_free_blocks >= BLOCKS_PER_PAGE, 10, "the cache was never evicted for the floor")
     assert asked and asked[0] == 2 * BLOCKS_PER_PAGE
@@ -323,3 +324,20 @@ def test_the_pool_says_memory_is_scarce_while_its_floor_is_refused(kvd: RunningD
     wait_until(lambda: pool.num_free_blocks >= 2 * BLOCKS_PER_PAGE, 10, "the floor was not mapped once memory was free")
     assert pool.scarce_free_blocks() is None
     pool.close()
+
+
+def test_an_idle_engines_cache_is_not_evicted_for_its_floor(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    hog, held = occupy(client, 7)  # under the low water for speculation
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    cached = pool.alloc(BLOCKS_PER_PAGE)  # cache-only blocks of an engine that does not step
+    asked: list[int] = []
+    pool.reclaim_hook = lambda n: asked.append(n) or 0
+    pool.keep_free(0, 0, 2 * BLOCKS_PER_PAGE)  # a floor the daemon cannot spare
+    wait_until(lambda: pool.scarce_free_blocks() is not None, 10, "the floor was never refused")
+    time.sleep(0.3)  # the agent's refused floor probes
+    assert asked == [], "an idle engine's cache was evicted for its floor"
+    pool.free(cached)
+    pool.close()
+    hog.free(held)
+    hog.close()

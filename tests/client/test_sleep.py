@@ -86,6 +86,26 @@ def test_warm_sleep_keeps_every_byte_at_the_same_addresses(kvd: RunningDaemon) -
     pool.close()
 
 
+def test_a_warm_sleep_gives_its_spare_pages_back_instead_of_saving_them(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_spare_pages=8, num_prefetch_pages=0)
+    blocks = pool.alloc(3 * BLOCKS_PER_PAGE)  # three logical pages
+    pool.free(blocks[BLOCKS_PER_PAGE:])  # two of them spare (kept: num_spare_pages)
+    kept = blocks[:BLOCKS_PER_PAGE]
+    written = fill(pool, kept)
+    logical = SPEC.num_segments * PAGE_BYTES
+    assert row(client)["mapped_bytes"] == 3 * logical
+    assert client.sleep("a", "warm")["host_bytes"] == logical, "only the page with blocks is saved"
+    client.wake("a")
+    wait_awake(pool)
+    assert row(client)["mapped_bytes"] == logical
+    for before, after in zip(written, read(pool, kept)):
+        assert torch.equal(before, after)
+    assert len(pool.alloc(2 * BLOCKS_PER_PAGE)) == 2 * BLOCKS_PER_PAGE  # the pool grows again
+    kvd.check_invariants()
+    pool.close()
+
+
 def test_a_warm_sleep_of_a_pool_with_no_pages_keeps_no_host_bytes(kvd: RunningDaemon) -> None:
     client = kvd.client()
     pool = client.register("a", SPEC)
