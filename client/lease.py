@@ -35,7 +35,7 @@ from typing import Any
 from kvdaemon.client.control import ControlChannel
 from kvdaemon.client.grant_channel import GrantChannel
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
-from kvdaemon.errors import BadRequest, Forbidden, KVDaemonError, NoReply, from_code
+from kvdaemon.errors import BadRequest, DaemonUnreachable, Forbidden, KVDaemonError, NoReply, from_code
 from kvdaemon.wire.handles import close_fds, peer_credentials, recv_frame, send_frame
 from kvdaemon.wire.messages import Notice, WakeJoin, WakeNotice, parse_grant_pages, parse_notice
 from kvdaemon.wire.paths import DaemonPaths
@@ -345,7 +345,7 @@ class Lease:
             return
         try:
             if not self.lost.is_set():
-                self.control.call("unregister", self._args())
+                self._unregister()
         finally:
             with contextlib.suppress(OSError):  # the peer may be gone already
                 self._sock.shutdown(socket.SHUT_RDWR)
@@ -362,6 +362,18 @@ class Lease:
                         close_fds(fds)
                 self._frames.clear()
             self.control.close()
+
+
+    def _unregister(self) -> None:
+        """Tell the daemon we are done. Unregistering ends the lease: the daemon closes the
+        handle channel, then replies, so a wait that sees the channel close first is over too
+        (the daemon freed our pages, or died and holds none): only an error before that raises."""
+        try:
+            self.control.call("unregister", self._args())
+        except DaemonUnreachable:
+            if not self.lost.is_set():
+                raise
+            log.info("lease %s: the handle channel closed before the unregister's reply; done", self.name)
 
 
 def _enough(frames: list[tuple[dict[str, Any], list[int]]], num_pages: int) -> bool:

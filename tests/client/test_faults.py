@@ -155,6 +155,26 @@ def test_a_sleep_slower_than_the_clients_timeout_ends_in_one_state(monkeypatch: 
         client.close()
 
 
+def test_a_close_whose_reply_comes_after_the_lease_closed_ends_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unregister closes the handle channel, then replies: a client that sees the close first
+    (a large tenant's release, a busy core) is done, not told the daemon went away."""
+    with running_daemon("64MiB") as kvd:
+        leases = kvd.daemon.leases
+        real_drop = leases.drop_lease
+
+        def slow_drop(tenant_id: int) -> None:
+            real_drop(tenant_id)
+            time.sleep(0.5)  # the channel is closed; the reply waits (5 of the client's alive polls)
+
+        monkeypatch.setattr(leases, "drop_lease", slow_drop)
+        client = kvd.client()
+        pool = client.register("a", SPEC, num_prefetch_pages=0)
+        pool.alloc(BLOCKS_PER_PAGE)
+        pool.close()  # raised DaemonUnreachable before
+        assert [t["name"] for t in client.status()["tenants"]] == []
+        kvd.check_invariants()
+
+
 # -- item 3: a grow answered after its caller gave up is adopted -------------------------
 
 
