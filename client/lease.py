@@ -363,7 +363,6 @@ class Lease:
                 self._frames.clear()
             self.control.close()
 
-
     def _unregister(self) -> None:
         """Tell the daemon we are done. Unregistering ends the lease: the daemon closes the
         handle channel, then replies, so a wait that sees the channel close first is over too

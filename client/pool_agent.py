@@ -55,7 +55,7 @@ from kvdaemon.wire.messages import (
 
 log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
-REPORT_MIN_S = 1.0  # changed figures (used bytes, activity) are told at most this often (a heartbeat)
+REPORT_MIN_S = HEARTBEAT_S  # changed figures (used bytes, activity) are told at most this often
 GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon, then twice as late each time
 GROW_RETRY_MAX_S = 1.0  # ... up to this (a ``free`` notice ends the wait sooner)
 

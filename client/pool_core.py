@@ -302,7 +302,7 @@ class PoolCore:
         """Give back spare pages past ``num_spare_pages`` (logical page 0, kept, counts
         among them) and owed ones; return how many went."""
         pinned = 0 in self.allocator.spare
-        spare = [lp for lp in self.allocator.spare_pages() if lp != 0]
+        spare = self._spare_past_page_0()
         if self.owed_pages and pinned and list(self.segments.pages) == [0]:
             spare = [0]  # a limit under one logical page: even the pinned page goes, being the last
         owed = min(len(spare), self.owed_pages)
@@ -318,16 +318,20 @@ class PoolCore:
         with self.lock:
             if self.cell.state is not PoolState.ACTIVE:
                 return 0
-            spare = [lp for lp in self.allocator.spare_pages() if lp != 0]
+            spare = self._spare_past_page_0()
             spare = spare[: min(num_pages, self.num_returnable(spare))]
             if spare:
                 self._return(spare)
             return len(spare)
 
+    def _spare_past_page_0(self) -> list[int]:
+        """Spare logical pages but page 0 (kept while any other page is mapped). O(pages)."""
+        return [lp for lp in self.allocator.spare_pages() if lp != 0]
+
     def return_all_spare(self) -> int:
         """Give back every spare page but logical page 0 (lock held; before a warm sleep, so
         the daemon saves only pages with blocks). Returns how many went."""
-        spare = [lp for lp in self.allocator.spare_pages() if lp != 0]
+        spare = self._spare_past_page_0()
         if spare:
             self._return(spare)
         return len(spare)
