@@ -7,7 +7,12 @@ time and steps the engines in turn. Modes:
 
 - ``static``: each pool is capped at a third of the capacity
   (``max_bytes = min_bytes``) and maps its whole third before the trace starts;
-- ``elastic``: the pools start empty and grow and shrink through the daemon.
+- ``elastic``: the pools start empty and grow and shrink through the daemon;
+- ``unbounded``: ``static`` on a daemon of ``num_tenants`` times the capacity,
+  each tenant capped at (and mapped to) the whole capacity: memory never runs
+  short and no page is mapped on the request path, so its TTFT is the floor
+  the engines' compute sets, below which no memory policy for ``capacity_bytes``
+  can go (the reference that says how much of static's loss was memory's).
 
 ``summarize`` turns a run into TTFT mean/p99, output tokens/s over the
 makespan, preemptions and the peak bytes each tenant's running requests held
@@ -35,6 +40,7 @@ from kvdaemon.integrations.hf import Engine, Request, kv_spec_for
 PAGE_BYTES = 64 * 1024
 BLOCK = 16
 SAMPLE_S = 0.1
+MODES = ("static", "elastic", "unbounded")
 
 
 def third_bytes(capacity_bytes: int, spec: KVSpec) -> int:
@@ -72,8 +78,12 @@ def open_pool(client: KVClient, mode: str, tenant: int, spec: KVSpec, third_byte
 
 def replay(mode: str, models: list[Any], trace: list[Arrival], capacity_bytes: int, budget: int) -> ModeRun:
     """Serve ``trace`` with three engines on a fresh daemon; timings on ``time.perf_counter``."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     run = ModeRun(mode)
     spec = kv_spec_for(models[0], BLOCK)
+    if mode == "unbounded":
+        capacity_bytes *= len(models)
     third = third_bytes(capacity_bytes, spec)
     with daemon_process(str(capacity_bytes), "--page-size", str(PAGE_BYTES)) as client:
         pools = [open_pool(client, mode, i, spec, third) for i in range(len(models))]

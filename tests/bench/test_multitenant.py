@@ -1,0 +1,85 @@
+"""bench/multitenant.py: the per-seed ratios, the floor that says which contended targets can be
+met, and the unbounded replay that measures it (each tenant mapped to the whole capacity)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import multitenant  # noqa: E402
+import multitenant_replay  # noqa: E402
+from traces import Arrival  # noqa: E402
+
+MiB = 1 << 20
+
+
+def summary(mean_s: float, p99_s: float, tokens_per_s: float = 100.0, preemptions: int = 0) -> dict[str, Any]:
+    return {"overall": {"ttft_mean_s": mean_s, "ttft_p99_s": p99_s, "tokens_per_s": tokens_per_s,
+                        "preemptions": preemptions}}
+
+
+def test_ratios_are_elastic_over_static_and_each_mode_over_the_floor() -> None:
+    results = {"static": summary(0.04, 0.12, 100, 3), "elastic": summary(0.03, 0.08, 99, 1),
+               "unbounded": summary(0.02, 0.07)}
+    r = multitenant.ratios(results)
+    assert r["ttft_p99"] == pytest.approx(0.08 / 0.12)
+    assert r["ttft_mean"] == pytest.approx(0.75)
+    assert r["throughput"] == pytest.approx(0.99)
+    assert r["preemptions"] == -2
+    assert r["elastic_floor_p99"] == pytest.approx(0.08 / 0.07)
+    assert r["static_floor_p99"] == pytest.approx(0.12 / 0.07)
+
+
+def test_without_a_floor_run_there_is_no_floor_ratio_and_every_target_counts_as_reachable() -> None:
+    r = multitenant.ratios({"static": summary(0.04, 0.12), "elastic": summary(0.03, 0.08)})
+    assert "elastic_floor_p99" not in r and "static_floor_p99" not in r
+    assert multitenant.reachable(r)
+
+
+@pytest.mark.parametrize(("static_over_floor", "expected"), [(1.7, False), (1.999, False), (2.0, True), (5.0, True)])
+def test_a_contended_target_is_reachable_only_where_static_is_twice_the_floor(
+    static_over_floor: float, expected: bool
+) -> None:
+    assert multitenant.reachable({"static_floor_p99": static_over_floor}) is expected
+
+
+def test_an_unreachable_seed_still_misses_its_target_and_is_left_out_of_the_reachable_worst(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    hard = {"ttft_p99": 0.2, "ttft_mean": 0.5, "throughput": 1.0, "preemptions": 0,
+            "elastic_floor_p99": 1.0, "static_floor_p99": 5.0}
+    barely = {"ttft_p99": 0.7, "ttft_mean": 1.0, "throughput": 1.0, "preemptions": 0,
+              "elastic_floor_p99": 1.1, "static_floor_p99": 1.57}
+    assert multitenant.verdicts("contended", barely) == {"throughput": True, "ttft_p99": False}
+    worst = multitenant.print_worst([{"class": "contended", "ratios": hard},
+                                     {"class": "contended", "ratios": barely}])
+    assert worst["contended"]["ttft_p99"] == pytest.approx(0.7)  # the class's worst keeps every seed
+    line = next(t for t in capsys.readouterr().out.splitlines() if t.startswith("worst contended"))
+    assert "TTFT p99 0.700x (<= 0.5x MISS)" in line
+    assert "where reachable (1 seed(s)) 0.200x PASS" in line
+    assert "elastic p99 at most 1.10x the floor" in line
+
+
+def test_an_unknown_mode_is_refused_before_a_daemon_starts() -> None:
+    with pytest.raises(ValueError, match="'dynamic' is not one of static, elastic, unbounded"):
+        multitenant_replay.replay("dynamic", [], [], 36 * MiB, 512)
+
+
+def test_the_unbounded_replay_maps_the_whole_capacity_for_each_tenant_and_serves_every_request() -> None:
+    from engine import build_model
+
+    models = [build_model(seed) for seed in range(3)]
+    trace = [Arrival(0.01 * i, i % 3, [3 + i] * 40, 2) for i in range(6)]
+    capacity = 4 * MiB
+    run = multitenant_replay.replay("unbounded", models, trace, capacity, 512)
+    spec = multitenant_replay.kv_spec_for(models[0], multitenant_replay.BLOCK)
+    whole = multitenant_replay.third_bytes(capacity * 3, spec)
+    assert whole == capacity  # three tenants' daemon, a third each: the whole capacity
+    assert [max(mapped) for mapped in run.timeline["mapped"]] == [whole] * 3
+    assert len(run.requests) == 6 and all(r.num_output_tokens == 2 for _, r in run.requests)
+    assert run.preemptions == [0, 0, 0]
