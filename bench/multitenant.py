@@ -34,11 +34,13 @@ what memory allows, and a contended seed where static's p99 is under twice the
 floor's cannot meet the 0.5x target: it is marked *unreachable* and the
 contended worst is printed again without such seeds.
 
-With ``--repeats`` / ``--overload-repeats`` N (defaults 2 and 3: one run's
-TTFT p99 can double on a hiccup of the shared cores, and overload preemption
-counts swing by a third between runs of one mode), each seed is replayed N
-times per mode, modes interleaved, and the runs pooled (``pooled``): TTFT over
-every request, tokens over the summed makespans, preemptions summed.
+With ``--repeats`` / ``--overload-repeats`` N (defaults 2 and 4: one run's
+TTFT p99 can double on a hiccup of the shared cores, overload preemption
+counts swing by a third between runs of one mode, and two static overload
+runs in a row differed by 17% in tokens/s), each seed is replayed N times per
+mode, modes in ABBA order (static, elastic, elastic, static, ...: a drift of
+the machine's speed weighs on both alike), and the runs pooled (``pooled``):
+TTFT over every request, tokens over the summed makespans, preemptions summed.
 
 Per seed: whether contended, both modes' TTFT mean/p99 (and the floor's p99), tokens/s and
 preemptions, the ratios and their verdicts; then the worst ratio per class.
@@ -96,10 +98,15 @@ def run_seed(
     models: list[Any], trace: list[Arrival], capacity: int, budget: int, repeats: int = 1,
     modes: tuple[str, ...] = MODES,
 ) -> dict[str, Any]:
-    """Each of ``modes`` over ``trace``, ``repeats`` times (interleaved, pooled): summaries and runs."""
+    """Each of ``modes`` over ``trace``, ``repeats`` times, pooled: summaries and runs.
+
+    Repeats alternate the order of the modes (``modes``, then reversed: ABBA),
+    so a steady drift of the machine's speed over the seed weighs on every mode
+    alike for an even ``repeats``.
+    """
     done: dict[str, list[ModeRun]] = {mode: [] for mode in modes}
-    for _ in range(repeats):
-        for mode in modes:
+    for repeat in range(repeats):
+        for mode in (modes if repeat % 2 == 0 else modes[::-1]):
             done[mode].append(replay(mode, models, trace, capacity, budget))
     runs = {mode: pooled(mode_runs) for mode, mode_runs in done.items()}
     return {"runs": runs, "results": {mode: summarize(run, len(models)) for mode, run in runs.items()}}
@@ -235,7 +242,7 @@ def main() -> None:
                         help=f"bursty seeds replayed at {LIGHT_RATE:g}x the bursty rates ('' for none)")
     parser.add_argument("--overload-seeds", default="0-1", help="steady overload trace seeds ('' for none)")
     parser.add_argument("--repeats", type=int, default=2, help="replays of each bursty seed per mode, pooled")
-    parser.add_argument("--overload-repeats", type=int, default=3, help="replays of each overload seed per mode")
+    parser.add_argument("--overload-repeats", type=int, default=4, help="replays of each overload seed per mode")
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the unbounded replays (each tenant the whole capacity) that set the TTFT floor")
     parser.add_argument("--plot-seed", type=int, default=None)

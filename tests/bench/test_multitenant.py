@@ -83,3 +83,22 @@ def test_the_unbounded_replay_maps_the_whole_capacity_for_each_tenant_and_serves
     assert [max(mapped) for mapped in run.timeline["mapped"]] == [whole] * 3
     assert len(run.requests) == 6 and all(r.num_output_tokens == 2 for _, r in run.requests)
     assert run.preemptions == [0, 0, 0]
+
+
+def test_repeats_run_the_modes_in_abba_order_and_pool_every_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[str] = []
+
+    def fake_replay(mode: str, models: list[Any], trace: list[Arrival], capacity: int, budget: int) -> Any:
+        order.append(mode)
+        run = multitenant_replay.ModeRun(mode, makespan_s=1.0, preemptions=[len(order)], computed_tokens=[0],
+                                         steps=[0], peak_used_bytes=[0])
+        request = multitenant_replay.Request(0, [1], 1, frozenset(), arrival_s=0.0, first_token_s=0.5)
+        run.requests = [(0, request)]
+        return run
+
+    monkeypatch.setattr(multitenant, "replay", fake_replay)
+    done = multitenant.run_seed([object()], [], 36 * MiB, 512, repeats=4)
+    assert order == ["static", "elastic", "elastic", "static", "static", "elastic", "elastic", "static"]
+    static = done["runs"]["static"]
+    assert static.makespan_s == 4.0 and len(static.requests) == 4
+    assert static.preemptions == [1 + 4 + 5 + 8]  # the static runs' own counts, summed
