@@ -125,17 +125,18 @@ def quantile(values: list[float], q: float) -> float:
 
 def ttft_plot(path: Path, ttfts: dict[str, list[float]], caption: str = "") -> None:
     """Empirical CDF of time to first token, one line per mode, log time axis;
-    each mode's p50 and p99 marked and labelled with their values."""
+    each mode's p50 and p99 marked and labelled with their values (each mode's
+    labels one line lower than the one before, so modes with equal quantiles stay readable)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.6))
-    for mode, values in ttfts.items():
+    for index, (mode, values) in enumerate(ttfts.items()):
         ordered = sorted(values)
         fractions = [(i + 1) / len(ordered) for i in range(len(ordered))]
         (line,) = ax.step(ordered, fractions, where="post", label=f"{mode} (n={len(ordered)})")
         for q, marker, offset, align in ((0.5, "o", 6, "left"), (0.99, "s", -6, "right")):
             x = quantile(ordered, q)  # p50 labelled right of its mark, p99 left (inside the axes)
             ax.plot([x], [q], marker=marker, color=line.get_color(), markersize=6, zorder=3)
-            ax.annotate(f"{mode} p{round(q * 100)} {x:.2f} s", xy=(x, q), xytext=(offset, -11),
+            ax.annotate(f"{mode} p{round(q * 100)} {x:.2f} s", xy=(x, q), xytext=(offset, -11 - 11 * index),
                         textcoords="offset points", fontsize=8, ha=align, color=line.get_color(),
                         bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none",
                               "alpha": 0.85})  # fmt: skip

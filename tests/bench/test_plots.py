@@ -77,6 +77,18 @@ def test_ttft_plot_marks_p50_and_p99(tmp_path: Path, captured: Captured) -> None
     assert legend_is_outside(fig, fig.axes[0])
 
 
+def test_ttft_labels_of_modes_with_equal_quantiles_do_not_overlap(tmp_path: Path, captured: Captured) -> None:
+    values = [float(i) for i in range(1, 101)]
+    plots.ttft_plot(tmp_path / "ttft.png", {"elastic": values, "floor": list(values)})
+    (fig,) = captured.figures
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    labels = {t.get_text(): t.get_window_extent(renderer) for t in fig.axes[0].texts}
+    for q in ("p50 50.00 s", "p99 99.00 s"):
+        first, second = labels[f"elastic {q}"], labels[f"floor {q}"]
+        assert not first.overlaps(second)
+
+
 def test_quantile_is_nearest_rank() -> None:
     assert [plots.quantile([3.0, 1.0, 2.0, 4.0], q) for q in (0.25, 0.5, 0.99, 1.0)] == [1.0, 2.0, 4.0, 4.0]
     with pytest.raises(ValueError):
