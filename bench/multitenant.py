@@ -87,12 +87,30 @@ DESIGN_SERVED_RPS = 12.0  # the calibration figure the bursty trace's rates were
 
 
 def seed_list(text: str) -> list[int]:
-    """``"0-7"``, ``"0,3,5"`` or ``"2"``: the seeds named; ``""``: none."""
+    """``"0-7"``, ``"0,3,5"`` or ``"2"``: the seeds named; ``""``: none. Anything else
+    (a word, a negative seed, a range that runs backwards) is an ``ArgumentTypeError``."""
     seeds: list[int] = []
     for part in filter(None, text.split(",")):
-        low, _, high = part.partition("-")
+        low, _, high = part.strip().partition("-")
+        if not low.isdigit() or not (high or low).isdigit() or int(high or low) < int(low):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a seed list: give seeds like 0-7, 0,3,5 or 2 ('' for none)")
         seeds += range(int(low), int(high or low) + 1)
     return seeds
+
+
+def positive(kind: type) -> Any:
+    """An argparse type: a number of ``kind`` above zero, else a clear error."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
 
 
 def run_seed(
@@ -237,32 +255,36 @@ def plot(runs: dict[str, ModeRun], models: list[Any], capacity: int, seed: int) 
               caption)
 
 
-def main() -> None:
+def options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; a bad value exits with argparse's usage error (status 2) before any work."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0-7", help="bursty trace seeds, e.g. 0-7 or 0,3,5")
-    parser.add_argument("--light-seeds", default="0-3",
+    parser.add_argument("--seeds", type=seed_list, default="0-7", help="bursty trace seeds, e.g. 0-7 or 0,3,5")
+    parser.add_argument("--light-seeds", type=seed_list, default="0-3",
                         help=f"bursty seeds replayed at {LIGHT_RATE:g}x the bursty rates ('' for none)")
-    parser.add_argument("--overload-seeds", default="0-1", help="steady overload trace seeds ('' for none)")
-    parser.add_argument("--repeats", type=int, default=2, help="replays of each bursty seed per mode, pooled")
-    parser.add_argument("--overload-repeats", type=int, default=4, help="replays of each overload seed per mode")
+    parser.add_argument("--overload-seeds", type=seed_list, default="0-1", help="steady overload trace seeds ('' for none)")
+    parser.add_argument("--repeats", type=positive(int), default=2, help="replays of each bursty seed per mode, pooled")
+    parser.add_argument("--overload-repeats", type=positive(int), default=4, help="replays of each overload seed per mode")
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the unbounded replays (each tenant the whole capacity) that set the TTFT floor")
     parser.add_argument("--plot-seed", type=int, default=None)
-    parser.add_argument("--capacity-mib", type=int, default=36)
-    parser.add_argument("--budget", type=int, default=512, help="max tokens per engine step")
-    parser.add_argument("--scale", type=float, default=1.0, help="stretch every bursty trace time by this factor")
-    parser.add_argument("--rate-scale", type=float, default=None,
+    parser.add_argument("--capacity-mib", type=positive(int), default=36)
+    parser.add_argument("--budget", type=positive(int), default=512, help="max tokens per engine step")
+    parser.add_argument("--scale", type=positive(float), default=1.0, help="stretch every bursty trace time by this factor")
+    parser.add_argument("--rate-scale", type=positive(float), default=None,
                         help="multiply the bursty traces' rates by this (default: calibrated served / "
                              f"{DESIGN_SERVED_RPS:g} req/s)")
-    opts = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    opts = options()
     shape = TraceShape(ramp_s=3.0 * opts.scale, hold_s=6.0 * opts.scale, lead_s=2.0 * opts.scale)
     models = [build_model(seed) for seed in range(shape.num_tenants)]
     warm_up(models)
     capacity = opts.capacity_mib * MiB
     spec = kv_spec_for(models[0], BLOCK)
     third, logical_page = third_bytes(capacity, spec), spec.num_segments * PAGE_BYTES
-    seeds, overload_seeds = seed_list(opts.seeds), seed_list(opts.overload_seeds)
-    light_seeds = seed_list(opts.light_seeds)
+    seeds, overload_seeds, light_seeds = opts.seeds, opts.overload_seeds, opts.light_seeds
     plot_seed = opts.plot_seed if opts.plot_seed is not None else (seeds or [None])[0]
     if plot_seed is not None and not available():
         print('no plots: they need matplotlib (pip install -e ".[bench]")')

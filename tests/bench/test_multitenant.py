@@ -102,3 +102,29 @@ def test_repeats_run_the_modes_in_abba_order_and_pool_every_run(monkeypatch: pyt
     static = done["runs"]["static"]
     assert static.makespan_s == 4.0 and len(static.requests) == 4
     assert static.preemptions == [1 + 4 + 5 + 8]  # the static runs' own counts, summed
+
+
+def test_seed_lists_name_ranges_and_single_seeds() -> None:
+    assert multitenant.seed_list("0-3") == [0, 1, 2, 3]
+    assert multitenant.seed_list("0,3, 5") == [0, 3, 5]
+    assert multitenant.seed_list("") == []
+    opts = multitenant.options([])
+    assert (opts.seeds, opts.light_seeds, opts.overload_seeds) == (list(range(8)), [0, 1, 2, 3], [0, 1])
+
+
+@pytest.mark.parametrize(("argv", "complaint"), [
+    (["--seeds", "abc"], "argument --seeds: 'abc' is not a seed list"),
+    (["--light-seeds", "3-1"], "argument --light-seeds: '3-1' is not a seed list"),
+    (["--overload-seeds", "-1"], "argument --overload-seeds: '-1' is not a seed list"),
+    (["--repeats", "0"], "argument --repeats: '0' is not a number above 0"),
+    (["--scale", "nan"], "argument --scale: 'nan' is not a number above 0"),
+    (["--rate-scale", "inf"], "argument --rate-scale: 'inf' is not a number above 0"),
+    (["--capacity-mib", "lots"], "argument --capacity-mib: 'lots' is not a number above 0"),
+])
+def test_a_bad_option_is_a_usage_error_before_any_work(
+    argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        multitenant.options(argv)
+    assert exit_info.value.code == 2
+    assert complaint in capsys.readouterr().err
