@@ -2,11 +2,12 @@
 
 Three tiny Llama models (4 layers, 8 query / 4 KV heads of 32, fp32, random
 weights, one seed each) are three tenants of one daemon process (host
-backend), replayed by ``multitenant_replay`` in both modes on a fresh daemon
-each: ``static`` (each pool capped at, and mapped to, a third of the capacity)
-and ``elastic`` (pools grow and shrink on demand).
+backend), replayed by ``multitenant_replay`` on a fresh daemon per replay, in the
+modes ``static`` (each pool capped at, and mapped to, a third of the capacity)
+and ``elastic`` (pools grow and shrink on demand), and for bursty and light
+seeds ``unbounded`` too (the floor, below).
 
-Classes of traces, each seed one trace replayed in both modes:
+Classes of traces, each seed one trace replayed in each mode:
 
 - bursty seeds (``--seeds``, ``traces.bursty_trace``: each tenant peaks in its
   own window). The trace's rates were set for engines that serve
@@ -29,10 +30,12 @@ Classes of traces, each seed one trace replayed in both modes:
 The floor: each bursty and light seed is also replayed ``unbounded`` (static
 on a daemon three times the capacity, each tenant mapped to the whole
 capacity; ``--no-floor`` skips it). No policy sharing one capacity beats that
-TTFT, so ``e/u`` (elastic p99 over the floor's) says how close elastic comes to
-what memory allows, and a contended seed where static's p99 is under twice the
-floor's cannot meet the 0.5x target: it is marked *unreachable* and the
-contended worst is printed again without such seeds.
+TTFT but by noise (the floor is measured like the rest, and elastic has come in
+under it), so ``e/u`` (elastic p99 over the floor's) says how close elastic
+comes to what memory allows, and a contended seed where static's p99 is under
+twice the floor's, pooled and in every repeat alone, cannot meet the 0.5x
+target: it still misses, is marked *unreachable*, and the contended worst is
+printed again without such seeds (``ttft_p99_reachable`` in the results).
 
 With ``--repeats`` / ``--overload-repeats`` N (defaults 2 and 4: one run's
 TTFT p99 can double on a hiccup of the shared cores, overload preemption
@@ -83,6 +86,7 @@ OVERLOAD_FACTOR = 1.5
 OVERLOAD_S = 20.0
 LIGHT_RATE = 0.5  # the light seeds' rates, of the bursty traces' (calibrated) rates
 CALIBRATION_REQUESTS = 30  # per tenant
+MAX_SEED = 1000  # a family of more traces than this would run for days
 DESIGN_SERVED_RPS = 12.0  # the calibration figure the bursty trace's rates were chosen for
 
 
@@ -91,11 +95,12 @@ def seed_list(text: str) -> list[int]:
     (a word, a negative seed, a range that runs backwards) is an ``ArgumentTypeError``."""
     seeds: list[int] = []
     for part in filter(None, text.split(",")):
-        low, _, high = part.strip().partition("-")
-        if not low.isdigit() or not (high or low).isdigit() or int(high or low) < int(low):
+        low, dash, high = part.strip().partition("-")
+        high = high if dash else low
+        if not (low.isdigit() and high.isdigit()) or not int(low) <= int(high) < MAX_SEED:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not a seed list: give seeds like 0-7, 0,3,5 or 2 ('' for none)")
-        seeds += range(int(low), int(high or low) + 1)
+                f"{text!r} is not a seed list: give seeds below {MAX_SEED} like 0-7, 0,3,5 or 2 ('' for none)")
+        seeds += range(int(low), int(high) + 1)
     return seeds
 
 
@@ -107,7 +112,8 @@ def positive(kind: type) -> Any:
         except ValueError:
             value = None
         if value is None or not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0")
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what} above 0")
         return value
     parse.__name__ = f"positive {kind.__name__}"
     return parse
@@ -128,7 +134,10 @@ def run_seed(
         for mode in (modes if repeat % 2 == 0 else modes[::-1]):
             done[mode].append(replay(mode, models, trace, capacity, budget))
     runs = {mode: pooled(mode_runs) for mode, mode_runs in done.items()}
-    return {"runs": runs, "results": {mode: summarize(run, len(models)) for mode, run in runs.items()}}
+    repeat_p99 = {mode: [summarize(run, len(models))["overall"]["ttft_p99_s"] for run in mode_runs]
+                  for mode, mode_runs in done.items()}
+    return {"runs": runs, "results": {mode: summarize(run, len(models)) for mode, run in runs.items()},
+            "repeat_p99": repeat_p99}
 
 
 def contended(static: dict[str, Any], third: int, logical_page: int) -> bool:
@@ -136,8 +145,10 @@ def contended(static: dict[str, Any], third: int, logical_page: int) -> bool:
     return any(t["peak_used_bytes"] > third - logical_page or t["preemptions"] for t in static["tenants"])
 
 
-def ratios(results: dict[str, Any]) -> dict[str, float]:
-    """Elastic over static; with an ``unbounded`` run, also both modes' TTFT p99 over its floor."""
+def ratios(results: dict[str, Any], repeat_p99: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """Elastic over static; with an ``unbounded`` run, also both modes' TTFT p99 over its floor,
+    and (given each repeat's p99 per mode) the highest of static's p99 over the floor's among the
+    pooled runs and each repeat alone (``static_floor_p99_max``: what ``reachable`` reads)."""
     static, elastic = results["static"]["overall"], results["elastic"]["overall"]
     r = {
         "ttft_p99": elastic["ttft_p99_s"] / static["ttft_p99_s"],
@@ -149,18 +160,23 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
         floor = results["unbounded"]["overall"]["ttft_p99_s"]
         r["elastic_floor_p99"] = elastic["ttft_p99_s"] / floor
         r["static_floor_p99"] = static["ttft_p99_s"] / floor
+        by_repeat = zip((repeat_p99 or {}).get("static", []), (repeat_p99 or {}).get("unbounded", []))
+        r["static_floor_p99_max"] = max([r["static_floor_p99"], *(s / u for s, u in by_repeat)])
     return r
 
 
 def reachable(r: dict[str, float]) -> bool:
     """Whether a contended seed's p99 target is above the floor: static's p99 at least 1/target of it.
 
-    Elastic shares the same capacity that ``unbounded`` gives each tenant whole,
-    so its p99 cannot go below the floor's (beyond noise); where static's p99 is
-    under 1/CONTENDED_P99 of the floor, no policy meets the target. True
-    without a floor run (nothing says otherwise).
+    Elastic shares the capacity that ``unbounded`` gives each tenant whole, so
+    its p99 cannot go below the floor's but by noise; where static's p99 is
+    under 1/CONTENDED_P99 of the floor, no policy meets the target. The floor
+    is a measurement, as noisy as the others (elastic has come in under it),
+    so a seed counts as unreachable only when the pooled runs and every repeat
+    alone say so (``static_floor_p99_max``). True without a floor run.
     """
-    return r.get("static_floor_p99", float("inf")) >= 1 / CONTENDED_P99
+    ratio = r.get("static_floor_p99_max", r.get("static_floor_p99", float("inf")))
+    return ratio >= 1 / CONTENDED_P99
 
 
 def verdicts(cls: str, r: dict[str, float]) -> dict[str, bool]:
@@ -188,8 +204,8 @@ def print_seed(cls: str, seed: str, results: dict[str, Any], r: dict[str, float]
     s, e = results["static"]["overall"], results["elastic"]["overall"]
     met = verdicts(cls, r)
     missed = ",".join(k for k, v in met.items() if not v)
-    if missed and cls == "contended" and not reachable(r):
-        missed += f" (unreachable: static p99 {r['static_floor_p99']:.2f}x the floor)"
+    if cls == "contended" and not met["ttft_p99"] and not reachable(r):
+        missed += f" (unreachable: static p99 at most {r['static_floor_p99_max']:.2f}x the floor)"
     floor = (f"{results['unbounded']['overall']['ttft_p99_s']:>9.3f}{r['elastic_floor_p99']:>7.2f}x"
              if "unbounded" in results else f"{'-':>9}{'-':>8}")
     print(f"{cls:<12}{seed:>6}{s['requests']:>6}{s['ttft_mean_s']:>9.3f}{e['ttft_mean_s']:>9.3f}"
@@ -210,6 +226,9 @@ def print_worst(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
              "throughput": min(r["throughput"] for r in mine), "preemptions": max(r["preemptions"] for r in mine)}
         worst[cls] = w
         if cls == "contended":
+            kept = [r["ttft_p99"] for r in mine if reachable(r)]
+            w["ttft_p99_reachable"] = max(kept) if kept else None
+            w["num_reachable"] = len(kept)
             text = (f"TTFT p99 {w['ttft_p99']:.3f}x (<= {CONTENDED_P99}x {verdict(w['ttft_p99'], CONTENDED_P99)})"
                     + _reachable_text(mine))
         elif cls == "uncontended":
@@ -289,6 +308,9 @@ def main() -> None:
     if plot_seed is not None and not available():
         print('no plots: they need matplotlib (pip install -e ".[bench]")')
         plot_seed = None
+    elif plot_seed is not None and plot_seed not in seeds:
+        print(f"no plots: plot seed {plot_seed} is not among the bursty seeds {seeds}")
+        plot_seed = None
     print(f"capacity {opts.capacity_mib} MiB (a third {third / MiB:.1f} MiB), page {PAGE_BYTES // 1024} KiB, "
           f"torch threads {torch.get_num_threads()}; bursty traces of {shape.duration_s:.0f} s")
     served = calibrate(models, shape, capacity, opts.budget)
@@ -309,8 +331,9 @@ def main() -> None:
         done = run_seed(models, bursty_trace(trace_shape, seed), capacity, opts.budget, opts.repeats,
                         MODES if opts.no_floor else FLOOR_MODES)
         cls = "contended" if contended(done["results"]["static"], third, logical_page) else "uncontended"
-        r = ratios(done["results"])
-        rows.append({"class": cls, "seed": label, "ratios": r, "results": done["results"]})
+        r = ratios(done["results"], done["repeat_p99"])
+        rows.append({"class": cls, "seed": label, "ratios": r, "results": done["results"],
+                     "repeat_p99": done["repeat_p99"]})
         print_seed(cls, label, done["results"], r)
         if label == str(plot_seed):
             plot(done["runs"], models, capacity, seed)

@@ -8,11 +8,12 @@ time and steps the engines in turn. Modes:
 - ``static``: each pool is capped at a third of the capacity
   (``max_bytes = min_bytes``) and maps its whole third before the trace starts;
 - ``elastic``: the pools start empty and grow and shrink through the daemon;
-- ``unbounded``: ``static`` on a daemon of ``num_tenants`` times the capacity,
-  each tenant capped at (and mapped to) the whole capacity: memory never runs
-  short and no page is mapped on the request path, so its TTFT is the floor
-  the engines' compute sets, below which no memory policy for ``capacity_bytes``
-  can go (the reference that says how much of static's loss was memory's).
+- ``unbounded``: ``static`` on a daemon of three times the capacity (one per
+  tenant: the bench's three), each tenant capped at (and mapped to) the whole
+  capacity: memory never runs short and no page is mapped on the request
+  path, so its TTFT estimates the floor the engines' compute sets, below which
+  no memory policy for ``capacity_bytes`` can go but by noise (the reference
+  that says how much of static's loss was memory's).
 
 ``summarize`` turns a run into TTFT mean/p99, output tokens/s over the
 makespan, preemptions and the peak bytes each tenant's running requests held
@@ -23,6 +24,7 @@ tokens over the summed makespans, preemptions summed, peaks the highest.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -83,7 +85,7 @@ def replay(mode: str, models: list[Any], trace: list[Arrival], capacity_bytes: i
     run = ModeRun(mode)
     spec = kv_spec_for(models[0], BLOCK)
     if mode == "unbounded":
-        capacity_bytes *= len(models)
+        capacity_bytes *= 3  # a third of it each (``third_bytes``): the whole capacity per tenant
     third = third_bytes(capacity_bytes, spec)
     with daemon_process(str(capacity_bytes), "--page-size", str(PAGE_BYTES)) as client:
         pools = [open_pool(client, mode, i, spec, third) for i in range(len(models))]
@@ -153,6 +155,9 @@ def summarize(run: ModeRun, num_tenants: int) -> dict[str, Any]:
     def stats(requests: list[Request]) -> dict[str, float]:
         ttfts = [r.ttft_s for r in requests if r.ttft_s is not None]
         tokens = sum(r.num_output_tokens for r in requests)
+        if not ttfts:  # a tenant a short trace gave no request: nothing to measure
+            return {"requests": len(requests), "ttft_mean_s": math.nan, "ttft_p99_s": math.nan,
+                    "tokens_per_s": tokens / run.makespan_s}
         return {"requests": len(requests), "ttft_mean_s": statistics.fmean(ttfts),
                 "ttft_p99_s": percentile_us(ttfts, 99) / 1e6, "tokens_per_s": tokens / run.makespan_s}
 

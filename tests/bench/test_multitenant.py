@@ -3,6 +3,7 @@ met, and the unbounded replay that measures it (each tenant mapped to the whole 
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,8 @@ MiB = 1 << 20
 
 
 def summary(mean_s: float, p99_s: float, tokens_per_s: float = 100.0, preemptions: int = 0) -> dict[str, Any]:
-    return {"overall": {"ttft_mean_s": mean_s, "ttft_p99_s": p99_s, "tokens_per_s": tokens_per_s,
-                        "preemptions": preemptions}}
+    return {"overall": {"requests": 10, "ttft_mean_s": mean_s, "ttft_p99_s": p99_s,
+                        "tokens_per_s": tokens_per_s, "preemptions": preemptions}}
 
 
 def test_ratios_are_elastic_over_static_and_each_mode_over_the_floor() -> None:
@@ -116,10 +117,13 @@ def test_seed_lists_name_ranges_and_single_seeds() -> None:
     (["--seeds", "abc"], "argument --seeds: 'abc' is not a seed list"),
     (["--light-seeds", "3-1"], "argument --light-seeds: '3-1' is not a seed list"),
     (["--overload-seeds", "-1"], "argument --overload-seeds: '-1' is not a seed list"),
-    (["--repeats", "0"], "argument --repeats: '0' is not a number above 0"),
+    (["--repeats", "0"], "argument --repeats: '0' is not a whole number above 0"),
+    (["--repeats", "1.5"], "argument --repeats: '1.5' is not a whole number above 0"),
+    (["--seeds", "1-"], "argument --seeds: '1-' is not a seed list"),
+    (["--seeds", "0-99999999999"], "argument --seeds: '0-99999999999' is not a seed list: give seeds below 1000"),
     (["--scale", "nan"], "argument --scale: 'nan' is not a number above 0"),
     (["--rate-scale", "inf"], "argument --rate-scale: 'inf' is not a number above 0"),
-    (["--capacity-mib", "lots"], "argument --capacity-mib: 'lots' is not a number above 0"),
+    (["--capacity-mib", "lots"], "argument --capacity-mib: 'lots' is not a whole number above 0"),
 ])
 def test_a_bad_option_is_a_usage_error_before_any_work(
     argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
@@ -128,3 +132,47 @@ def test_a_bad_option_is_a_usage_error_before_any_work(
         multitenant.options(argv)
     assert exit_info.value.code == 2
     assert complaint in capsys.readouterr().err
+
+
+def test_a_seed_is_unreachable_only_when_the_pooled_runs_and_every_repeat_say_so() -> None:
+    results = {"static": summary(0.04, 0.15), "elastic": summary(0.03, 0.10), "unbounded": summary(0.02, 0.10)}
+    agreeing = {"static": [0.14, 0.16], "elastic": [0.1, 0.1], "unbounded": [0.1, 0.1]}
+    r = multitenant.ratios(results, agreeing)
+    assert r["static_floor_p99_max"] == pytest.approx(1.6)
+    assert not multitenant.reachable(r)
+    one_repeat_disagrees = {"static": [0.14, 0.16], "elastic": [0.1, 0.1], "unbounded": [0.1, 0.07]}
+    r = multitenant.ratios(results, one_repeat_disagrees)
+    assert r["static_floor_p99_max"] == pytest.approx(0.16 / 0.07)
+    assert multitenant.reachable(r)
+
+
+def row_results() -> dict[str, Any]:
+    return {"static": summary(0.04, 0.12, 100), "elastic": summary(0.03, 0.08, 90),
+            "unbounded": summary(0.02, 0.07)}
+
+
+def test_a_seed_line_shows_the_floor_and_calls_only_a_p99_miss_unreachable(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    results = row_results()
+    r = multitenant.ratios(results, {"static": [0.12], "elastic": [0.08], "unbounded": [0.07]})
+    multitenant.print_seed("contended", "3", results, r)
+    line = capsys.readouterr().out
+    assert "   0.070   1.14x" in line  # the floor's p99 and elastic over it
+    assert "MISS throughput,ttft_p99 (unreachable: static p99 at most 1.71x the floor)" in line
+    r["ttft_p99"] = 0.4  # the p99 target met: only throughput missed, nothing to call unreachable
+    multitenant.print_seed("contended", "3", results, r)
+    line = capsys.readouterr().out
+    assert line.rstrip().endswith("MISS throughput")
+
+
+def test_a_tenant_without_requests_is_reported_as_not_measured() -> None:
+    run = multitenant_replay.ModeRun("static", makespan_s=2.0, preemptions=[0, 0], computed_tokens=[0, 0],
+                                     steps=[0, 0], peak_used_bytes=[0, 0])
+    request = multitenant_replay.Request(0, [1], 1, frozenset(), arrival_s=0.0, first_token_s=0.25)
+    request.token_ids.append(7)
+    run.requests = [(0, request)]
+    summary_ = multitenant_replay.summarize(run, 2)
+    assert summary_["tenants"][0]["ttft_p99_s"] == 0.25
+    idle = summary_["tenants"][1]
+    assert idle["requests"] == 0 and math.isnan(idle["ttft_mean_s"]) and math.isnan(idle["ttft_p99_s"])
