@@ -160,7 +160,8 @@ def ratios(results: dict[str, Any], repeat_p99: dict[str, list[float]] | None = 
         floor = results["unbounded"]["overall"]["ttft_p99_s"]
         r["elastic_floor_p99"] = elastic["ttft_p99_s"] / floor
         r["static_floor_p99"] = static["ttft_p99_s"] / floor
-        by_repeat = zip((repeat_p99 or {}).get("static", []), (repeat_p99 or {}).get("unbounded", []))
+        repeats = repeat_p99 or {}
+        by_repeat = zip(repeats.get("static", []), repeats.get("unbounded", []))
         r["static_floor_p99_max"] = max([r["static_floor_p99"], *(s / u for s, u in by_repeat)])
     return r
 
@@ -230,7 +231,7 @@ def print_worst(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             w["ttft_p99_reachable"] = max(kept) if kept else None
             w["num_reachable"] = len(kept)
             text = (f"TTFT p99 {w['ttft_p99']:.3f}x (<= {CONTENDED_P99}x {verdict(w['ttft_p99'], CONTENDED_P99)})"
-                    + _reachable_text(mine))
+                    + _reachable_text(mine, kept))
         elif cls == "uncontended":
             text = (f"TTFT mean {w['ttft_mean']:.3f}x (<= {UNCONTENDED_MEAN}x "
                     f"{verdict(w['ttft_mean'], UNCONTENDED_MEAN)}), p99 {w['ttft_p99']:.3f}x "
@@ -244,12 +245,12 @@ def print_worst(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return worst
 
 
-def _reachable_text(mine: list[dict[str, float]]) -> str:
-    """The contended worst again over the seeds whose target is above the floor, and elastic's worst over it."""
+def _reachable_text(mine: list[dict[str, float]], kept: list[float]) -> str:
+    """The contended worst again over ``kept`` (the p99 ratios of the seeds whose target is above
+    the floor), and elastic's worst over the floor."""
     floored = [r for r in mine if "elastic_floor_p99" in r]
     if not floored:
         return ""
-    kept = [r["ttft_p99"] for r in mine if reachable(r)]
     text = (f", where reachable ({len(kept)} seed(s)) {max(kept):.3f}x {verdict(max(kept), CONTENDED_P99)}"
             if kept else ", reachable on no seed")
     return text + f"; elastic p99 at most {max(r['elastic_floor_p99'] for r in floored):.2f}x the floor"

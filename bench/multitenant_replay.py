@@ -42,7 +42,7 @@ from kvdaemon.integrations.hf import Engine, Request, kv_spec_for
 PAGE_BYTES = 64 * 1024
 BLOCK = 16
 SAMPLE_S = 0.1
-MODES = ("static", "elastic", "unbounded")
+REPLAY_MODES = ("static", "elastic", "unbounded")
 
 
 def third_bytes(capacity_bytes: int, spec: KVSpec) -> int:
@@ -80,8 +80,8 @@ def open_pool(client: KVClient, mode: str, tenant: int, spec: KVSpec, third_byte
 
 def replay(mode: str, models: list[Any], trace: list[Arrival], capacity_bytes: int, budget: int) -> ModeRun:
     """Serve ``trace`` with three engines on a fresh daemon; timings on ``time.perf_counter``."""
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if mode not in REPLAY_MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(REPLAY_MODES)}")
     run = ModeRun(mode)
     spec = kv_spec_for(models[0], BLOCK)
     if mode == "unbounded":
