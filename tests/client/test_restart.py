@@ -68,6 +68,8 @@ def test_engines_keep_their_kv_across_a_daemon_restart(root: Path) -> None:
             return mapped == before and not any(p.lease.lost.is_set() for p in pools.values())
 
         wait_until(back, 15, "the tenants did not re-register with the same bytes")
+        # the new lease is in place a moment before the agent resumes the engine
+        wait_until(lambda: len(moves) >= 2, 5, "the engine was not resumed after the move")
         assert moves == ["quiesce", "resume"]
         for i, (name, pool) in enumerate(pools.items()):
             assert holds(pool, blocks[name], float(i + 1))
