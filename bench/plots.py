@@ -10,11 +10,12 @@ Needs matplotlib (``pip install -e ".[bench]"``); imported on the first call.
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 from pathlib import Path
 from typing import Any
+
+from report import quantile
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -112,15 +113,6 @@ def _line_label(ax: Any, y: float, text: str) -> None:
     ax.annotate(text, xy=(1.0, y), xycoords=("axes fraction", "data"), xytext=(-4, 2),
                 textcoords="offset points", ha="right", va="bottom", fontsize=8,
                 color="dimgray")  # fmt: skip
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by the nearest-rank rule; ``ValueError`` for no values."""
-    if not values:
-        raise ValueError("no values")
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), math.ceil(q * len(ordered))))
-    return ordered[rank - 1]
 
 
 def ttft_plot(path: Path, ttfts: dict[str, list[float]], caption: str = "") -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import statistics
 import time
@@ -16,11 +17,19 @@ def median_us(samples_s: list[float]) -> float:
     return statistics.median(samples_s) * 1e6
 
 
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by the nearest-rank rule: the smallest value with at least
+    ``q`` of the values at or below it. ``ValueError`` for no values. Cost: one sort."""
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q * len(ordered))))
+    return ordered[rank - 1]
+
+
 def percentile_us(samples_s: list[float], pct: float) -> float:
-    """The ``pct`` percentile (0-100, nearest rank) of ``samples_s`` in microseconds."""
-    ordered = sorted(samples_s)
-    rank = min(len(ordered) - 1, max(0, round(pct / 100 * len(ordered)) - 1))
-    return ordered[rank] * 1e6
+    """The ``pct`` percentile (0-100, nearest rank, as ``quantile``) of ``samples_s`` in microseconds."""
+    return quantile(samples_s, pct / 100) * 1e6
 
 
 def verdict(ratio: float, target: float, lower_is_better: bool = True) -> str:

@@ -89,12 +89,6 @@ def test_ttft_labels_of_modes_with_equal_quantiles_do_not_overlap(tmp_path: Path
         assert not first.overlaps(second)
 
 
-def test_quantile_is_nearest_rank() -> None:
-    assert [plots.quantile([3.0, 1.0, 2.0, 4.0], q) for q in (0.25, 0.5, 0.99, 1.0)] == [1.0, 2.0, 4.0, 4.0]
-    with pytest.raises(ValueError):
-        plots.quantile([], 0.5)
-
-
 def test_captions_name_the_machine_and_the_model() -> None:
     class Config:
         model_type, num_hidden_layers, num_attention_heads = "llama", 4, 8
