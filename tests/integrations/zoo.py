@@ -4,13 +4,18 @@ Every model has 2 layers, hidden size 64, 4 query heads (2 KV heads where the
 family has GQA), a 256-token vocabulary and random weights; building one takes
 milliseconds once transformers imported its modeling module. ``EXACT`` lists
 the families the engine must serve token-exact, ``REFUSED`` those it must refuse
-at construction, each with a pattern of the reason. Variants ``*-window`` set a
+at construction, each with a pattern of the reason. Falcon and Bloom are refused
+where the installed transformers computes their attention inline, and served
+where its modeling module calls it through ``ALL_ATTENTION_FUNCTIONS`` (Falcon
+does from 5.25 on): read from the module's source, not from our probe. Variants ``*-window`` set a
 sliding window of ``WINDOW`` tokens, shorter than the test prompts, so it binds;
 ``gemma2-softcap`` a softcap that binds.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from typing import Any
 
 import torch
@@ -77,9 +82,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                               "expert_layer_period": 2, "expert_layer_offset": 1, "use_mamba_kernels": False}),
 }
 
+
+
+def dispatches(family: str) -> bool:
+    """Whether the installed transformers' ``modeling_<family>`` calls attention through
+    ``ALL_ATTENTION_FUNCTIONS`` (the registry the engine's paged attention joins)."""
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(module)
+
+
+INLINE = "does not dispatch through transformers' AttentionInterface"
 REFUSED: dict[str, str] = {
-    "falcon": "does not dispatch through transformers' AttentionInterface",
-    "bloom": "does not dispatch through transformers' AttentionInterface",
+    **{family: INLINE for family in ("falcon", "bloom") if not dispatches(family)},
     "gpt-oss": "uses sinks",
     "llama4-chunked": "logits through the paged attention differ",  # chunked attention: caught by the probe
     "jamba": r"attention ran in layers \[1\]",  # hybrid: Mamba layers between attention layers
