@@ -23,7 +23,10 @@ twice as late up to ``GROW_RETRY_MAX_S``; the reserve at once on a ``free``
 notice, and a refused floor never holds the reserve back; while the daemon
 has no memory to spare for the floor, the engine's own cache-only blocks are
 evicted for it while the engine works, so its allocations still find blocks
-without a round trip), returns
+without a round trip; a pool holding its fair share, told in every heartbeat
+reply, evicts them before it asks at all while the daemon has nothing to
+spare, so tenants whose caches fill the device keep what they hold instead of
+passing pages back and forth), returns
 excess spare pages, retries unconfirmed returns, and tells the daemon
 ``used_bytes``, whether the pool can be quiesced and whether the engine
 stepped, when they changed (used bytes and activity at most every ``REPORT_MIN_S``:
@@ -137,10 +140,12 @@ class PoolAgent:
                 if self._stopping:
                     return
                 self._guarded(self._handle, notice)
+            if not self._stopping and self.core.recycles():  # before any grow: no round trip for these
+                self._guarded(self._blocks_from_cache)
             if not self._stopping:
                 self._guarded(self._housekeep)
             if not self._stopping and self._floor_refused:
-                self._guarded(self._floor_from_cache)
+                self._guarded(self._blocks_from_cache)
 
     def _wait_s(self) -> float:
         """Until the next heartbeat, or the next grow-ahead try or held-back report when one is
@@ -233,29 +238,39 @@ class PoolAgent:
         self._active, core.active = self._active or core.active, False
         urgent = self._reported is None or report[1] != self._reported[1]  # sleepable: told at once
         if urgent or ((report != self._reported or self._active) and now >= self._report_at):
-            core.lease.heartbeat(used_bytes=report[0], sleepable=report[1], active=self._active)
+            reply = core.lease.heartbeat(used_bytes=report[0], sleepable=report[1], active=self._active)
+            core.fair_bytes, core.ahead_room_bytes = (
+                value if type(value) is int and value >= 0 else None
+                for value in (reply.get("fair_bytes"), reply.get("ahead_bytes")))
             self._reported, self._active, self._report_at = report, False, now + REPORT_MIN_S
 
     def _grow_ahead(self) -> None:
         """The reserve, then (once it is mapped) the floor, each unless backing off (lock held);
-        a refusal backs off, whatever wakes the agent meanwhile (``keep_free``, most notices)."""
+        a refusal backs off, whatever wakes the agent meanwhile (``keep_free``, most notices).
+        No floor while the pool recycles its cache (``PoolCore.recycles``: the daemon has
+        nothing to spare, as its last heartbeat reply or a refusal said). A floor found mapped asks nothing and leaves the
+        back-off as it is: only a grant ends it, so a floor that dips at every step of a busy
+        engine asks a daemon short of memory at most as often as the back-off allows."""
         core, now = self.core, time.monotonic()
         if self.reserve_backoff.due(now):
             self.reserve_backoff.note(core.grow_reserve(), now)
-        if core.reserve_mapped() and self.floor_backoff.due(now):
+        if core.reserve_mapped() and not core.floor_mapped() and self.floor_backoff.due(now) and not core.recycles():
             granted = core.grow_floor()
             self.floor_backoff.note(granted, now)
             self._floor_refused = not granted
 
-    def _floor_from_cache(self) -> None:
+    def _blocks_from_cache(self) -> None:
         """Evict the engine's cache-only blocks (its reclaim hook, without the lock: the hook
-        takes the engine's locks) until the floor is free, as far as the cache allows; once
-        per refused floor grow, so at most as often as the floor's back-off allows, and only
+        takes the engine's locks) until the reserve and the floor are free, as far as the
+        cache allows: before the grows while the pool recycles (``PoolCore.recycles``: it
+        holds its fair share and the daemon has nothing to spare), and after a refused floor
+        grow (once per refusal, so at most as often as the floor's back-off allows). Only
         while the engine works (it stepped within ``HEARTBEAT_S``): an idle engine's cache
         stays, and its next allocation evicts what it needs (``BlockManager``)."""
         self._floor_refused = False
         core, hook = self.core, self.core.reclaim_hook
-        missing = min(core.ahead_blocks, core.allocator.num_blocks) - core.allocator.num_free
+        wanted = max(core.reserve_blocks, core.ahead_blocks)
+        missing = min(wanted, core.allocator.num_blocks) - core.allocator.num_free
         working = core.active or time.monotonic() - self._active_at < HEARTBEAT_S
         if hook is not None and missing > 0 and working and core.state is PoolState.ACTIVE:
             hook(missing)

@@ -93,6 +93,8 @@ class PoolCore:
         self.refused_at = float("-inf")  # when the daemon last had no memory for a grow
         self.refused_pages = 0  # ... of how many logical pages (smaller grows still ask)
         self.ahead_refused_at = float("-inf")  # when the daemon last had nothing to spare ahead of need
+        self.fair_bytes: int | None = None  # this tenant's fair share, as the daemon last told it
+        self.ahead_room_bytes: int | None = None  # what a grow ahead of need could take, as last told
         self.pending_return: set[int] = set()  # unmapped here, shrink not yet confirmed
         self.num_block_losses = 0  # times every block was dropped (cold sleep, empty restart)
         self.active = False  # the engine stepped since the last heartbeat (``note_activity``)
@@ -230,8 +232,23 @@ class PoolCore:
         what it has free is its low-water reserve, kept for real need. O(1), no lock."""
         return time.monotonic() - self.ahead_refused_at < REFUSED_S
 
+    def recycles(self) -> bool:
+        """New blocks come from the engine's own cache, not the daemon: this pool holds at
+        least its fair share (``fair_bytes``) and the daemon has nothing to spare (the last
+        heartbeat reply's ``ahead_room_bytes`` under one logical page, or it refused this pool's
+        floor or reserve within ``REFUSED_S``). Unknown (a daemon that does not tell): False.
+        Only an engine with a cache (``reclaim_hook``) recycles. O(1), no lock."""
+        fair, room = self.fair_bytes, self.ahead_room_bytes
+        if self.reclaim_hook is None or fair is None or self.mapped_bytes < fair:
+            return False
+        refused = time.monotonic() - max(self.ahead_refused_at, self.refused_at) < REFUSED_S
+        return self.cell.state is PoolState.ACTIVE and (refused or (room is not None and room < self.logical_page_bytes))
+
     def reserve_mapped(self) -> bool:
         return self._has_free(self.reserve_blocks)
+
+    def floor_mapped(self) -> bool:
+        return self._has_free(self.ahead_blocks)
 
     def _has_free(self, num_blocks: int) -> bool:
         """At least ``num_blocks`` blocks free (or every block of the pool). O(1)."""

@@ -17,8 +17,10 @@ the daemon:
 
 Ahead of need (``ask_ahead``, each tick): while fewer than ``shares.LOW_WATER`` of
 the pages are free and no grow is parked, the daemon asks the tenants holding
-the most above their ``min_bytes`` (per unit of weight) for what is missing, at
-most once per ``ASK_AHEAD_S``. A pool gives spare pages and cache-only pages,
+the most reclaimable pages past their fair share (``Shares.pages_past_fair``;
+per unit of weight) for what is missing, at most once per ``ASK_AHEAD_S``; a
+tenant within its fair share is not asked (were every tenant within it, the
+low water would be free). A pool gives spare pages and cache-only pages,
 never the reserve its engine's next step needs, so a burst starting later finds
 free pages instead of waiting for other tenants' caches to shrink. Such an ask
 is not ``urgent``: a pool gives what it can now and owes nothing, while an ask
@@ -139,12 +141,14 @@ class Reclaimer:
             remaining -= num_logical * victim.spec.num_segments
 
     def ask_ahead(self, now: float) -> None:
-        """Keep ``LOW_WATER`` of the pages free: ask the largest holders for what is missing."""
+        """Keep ``LOW_WATER`` of the pages free: ask the tenants most past their fair share
+        (reclaimable pages past it, per unit of weight) for what is missing."""
         short = self.shares.low_water_pages - self.pages.num_free
         if short <= 0 or self.parked or now < self._next_ask_ahead:
             return
         self._next_ask_ahead = now + ASK_AHEAD_S
-        victims = self._victims(None, now)
+        victims = [(t, min(pages, self.shares.pages_past_fair(t))) for t, pages in self._victims(None, now)]
+        victims = sorted(((t, pages) for t, pages in victims if pages > 0), key=lambda v: v[1] / v[0].weight, reverse=True)
         if victims:
             self._ask(victims, short, stop_when_covered=True, urgent=False)
             self.num_asks_ahead += 1

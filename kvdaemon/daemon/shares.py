@@ -24,6 +24,22 @@ speculative floor) take only what is free above ``LOW_WATER`` of the pages
 after both rules: speculation never eats the free pages a burst of real need
 finds first, and never takes what ``ask_ahead`` asked other tenants to give.
 
+A tenant's **fair share** (``fair_pages``) is its part of the pages tenants
+may fill while ``LOW_WATER`` of them stay free, filled like water: a tenant
+whose ``min_bytes`` is more than its weighted part gets its minimum, and the
+rest is split among the others by weight (again, until no minimum is above
+its part); each share is then rounded down to whole logical pages of its
+tenant, so what a tenant holds past it is whole logical pages (what a reclaim
+asks for). The fair shares of the active tenants add up to at most the
+capacity less the low water (more only where the minimums alone exceed it).
+``ask_ahead`` asks a tenant only for what it holds past its fair share
+(``pages_past_fair``): while every tenant is within its fair share the low
+water is free, so an ask ahead of need would only move cache pages between
+tenants that all keep what they have. A pool is told its fair share and what
+a grow ahead of need could take now (``free_for_ahead``) in every heartbeat
+reply; one holding at least its fair share while the daemon has nothing to
+spare takes new blocks from its own cache (``PoolAgent``) instead of growing.
+
 Invariants: a tenant within its share is never refused for another's
 shortage; nothing here maps or unmaps. Cost: O(tenants) per call.
 """
@@ -36,6 +52,11 @@ from kvdaemon.daemon.tenant import Tenant, TenantState
 
 STARVED_S = 1.0  # a tenant refused pages this recently is short
 LOW_WATER = 0.1  # the fraction of the pages kept free: asked back from idle holders, never speculated on
+
+
+def _min_pages(tenant: Tenant) -> int:
+    """Physical pages of ``tenant``'s ``min_bytes``, rounded up."""
+    return -(-tenant.min_bytes // tenant.page_size_bytes)
 
 
 def held_pages(tenant: Tenant) -> int:
@@ -55,6 +76,32 @@ class Shares:
         (``total_weight``: of the active tenants, when the caller has it)."""
         total = total_weight if total_weight is not None else self._total_weight()
         return int(self.num_pages * tenant.weight / (total or tenant.weight))
+
+    def fair_pages(self, tenant: Tenant) -> int:
+        """Physical pages that are ``tenant``'s fair share (see the module docstring), in whole
+        logical pages; a tenant not active is counted as if it were. O(tenants^2) at worst."""
+        active = self._active()
+        if tenant not in active:
+            active.append(tenant)
+        usable = float(self.num_pages - self.low_water_pages)
+        parts: dict[int, float] = {}
+        while True:  # each pass fixes at least one more tenant at its minimum, or ends
+            rest = [t for t in active if t.tenant_id not in parts]
+            left = max(0.0, usable - sum(parts.values()))
+            total = sum(t.weight for t in rest)
+            fixed = {t.tenant_id: float(_min_pages(t)) for t in rest if _min_pages(t) > left * t.weight / total}
+            if not fixed:
+                break
+            parts.update(fixed)
+        part = parts.get(tenant.tenant_id)
+        if part is None:
+            part = left * tenant.weight / total
+        segments = tenant.spec.num_segments
+        return int(part) // segments * segments
+
+    def pages_past_fair(self, tenant: Tenant) -> int:
+        """Physical pages ``tenant`` holds past its fair share (0 within it): whole logical pages."""
+        return max(0, held_pages(tenant) - self.fair_pages(tenant))
 
     def is_short(self, tenant: Tenant, now: float) -> bool:
         return now - tenant.starved_at < STARVED_S

@@ -17,7 +17,8 @@ grow          tenant, token, logical_pages (candidates, in order), min_pages?,
               (``min_pages`` <= n <= len(logical_pages), the first n candidates),
               max_bytes
 shrink        tenant, token, logical_pages -> num_released, mapped_bytes
-heartbeat     tenant, token, used_bytes?, sleepable?, active? -> state, max_bytes, free_bytes
+heartbeat     tenant, token, used_bytes?, sleepable?, active? -> state, max_bytes, free_bytes,
+              fair_bytes (its fair share), ahead_bytes (what a grow ahead of need could take)
 unregister    tenant, token -> num_released
 status        -> the ``status --json`` object
 set_limit     name, max_bytes?, min_bytes?, weight?, revision?, max?, min? (size text:

@@ -341,3 +341,96 @@ def test_an_idle_engines_cache_is_not_evicted_for_its_floor(kvd: RunningDaemon) 
     pool.close()
     hog.free(held)
     hog.close()
+
+
+def cache_pool(client: KVClient, num_pages: int) -> tuple[KVPool, list[int], list[int]]:
+    """A working engine's pool "a" of ``num_pages`` logical pages of cache-only blocks, with the
+    reclaim hook an engine gives (it frees the oldest cached blocks): the pool, the cached
+    blocks, and the sizes the hook was asked for."""
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    cached, asked = pool.alloc(num_pages * BLOCKS_PER_PAGE), []
+
+    def evict(num_blocks: int) -> int:
+        asked.append(num_blocks)
+        gone, cached[:] = cached[:num_blocks], cached[num_blocks:]
+        pool.free(gone)
+        return len(gone)
+
+    pool.reclaim_hook = evict
+    pool.note_activity()
+    return pool, cached, asked
+
+
+def need_grows(pool: KVPool) -> list[int]:
+    """Record the pages of every grow for real need (not ahead of it) the pool asks from now on."""
+    lease, asked = pool.lease, []
+    grow = lease.grow
+
+    def recording(pages: list[int], *args: object, **kwargs: object) -> object:
+        if not kwargs.get("ahead"):
+            asked.append(len(pages))
+        return grow(pages, *args, **kwargs)
+
+    lease.grow = recording  # type: ignore[method-assign]
+    return asked
+
+
+def told_scarce(pool: KVPool) -> bool:
+    """The last heartbeat reply said the daemon has under a logical page to spare ahead of need."""
+    room = pool.core.ahead_room_bytes
+    return pool.core.fair_bytes is not None and room is not None and room < LOGICAL
+
+
+def test_a_pool_holding_its_fair_share_takes_its_reserve_from_its_own_cache(kvd: RunningDaemon) -> None:
+    """Fair shares: 29 of the 32 pages (3 are the low water), halved, in logical pages of 4: 12
+    pages, 3 logical each. "a" holds exactly that in cache-only blocks; "hog" the rest, live."""
+    client = kvd.client()
+    hog, held = occupy(client, 5)
+    pool, _cached, evicted = cache_pool(client, 3)  # the daemon is full
+    wait_until(lambda: told_scarce(pool), 10, "no heartbeat reply said the daemon has nothing to spare")
+    assert pool.mapped_bytes == pool.core.fair_bytes
+    asked = need_grows(pool)
+    pool.note_activity()
+    pool.keep_free(2 * BLOCKS_PER_PAGE)  # the next step's need, and no floor
+    wait_until(lambda: pool.num_free_blocks >= 2 * BLOCKS_PER_PAGE, 10, "the cache was not evicted for the reserve")
+    assert asked == [], "a pool holding its fair share asked the daemon instead of its own cache"
+    assert evicted == [2 * BLOCKS_PER_PAGE] and mapped(client, "a") == 3 * LOGICAL
+    pool.close()
+    hog.free(held)
+    hog.close()
+
+
+def test_a_pool_below_its_fair_share_grows_its_reserve_from_the_daemon(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    hog, held = occupy(client, 5)
+    pool, _cached, evicted = cache_pool(client, 2)  # one logical page free: under the low water
+    wait_until(lambda: told_scarce(pool), 10, "no heartbeat reply said the daemon has nothing to spare")
+    assert pool.mapped_bytes < pool.core.fair_bytes
+    asked = need_grows(pool)
+    pool.note_activity()
+    pool.keep_free(BLOCKS_PER_PAGE)  # its cache could cover it, but the pool is below its share
+    wait_until(lambda: mapped(client, "a") == 3 * LOGICAL, 10, "the free page was not granted")
+    assert asked and evicted == [], "a pool below its fair share evicted its cache instead of growing"
+    pool.close()
+    hog.free(held)
+    hog.close()
+
+
+def test_a_floor_found_mapped_leaves_its_back_off_to_a_daemon_with_nothing_to_spare(kvd: RunningDaemon) -> None:
+    """Only a grant ends the floor's back-off: a busy engine's floor dips and is refilled every
+    step, and a back-off reset each time it is found mapped would ask a full daemon each step."""
+    client = kvd.client()
+    hog, held = occupy(client, 6)  # one logical page free: under the low water for speculation
+    pool, _cached, _evicted = cache_pool(client, 1)  # below its fair share: it asks for its floor
+    backoff = pool.agent.floor_backoff
+    pool.keep_free(0, 0, BLOCKS_PER_PAGE)
+    wait_until(lambda: pool.num_free_blocks >= BLOCKS_PER_PAGE and backoff.retry_s > pool_agent.GROW_RETRY_S, 10,
+               "the floor was not refused and then made from the cache")
+    retry_s = backoff.retry_s
+    time.sleep(0.1)  # the back-off's wait is over
+    pool.agent.nudge()  # the agent finds the floor mapped
+    time.sleep(0.1)
+    assert backoff.retry_s == retry_s, "a floor found mapped ended the back-off"
+    pool.close()
+    hog.free(held)
+    hog.close()

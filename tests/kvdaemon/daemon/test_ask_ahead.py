@@ -9,7 +9,7 @@ import pytest
 from kvdaemon.daemon.reclaim import ASK_AHEAD_S
 from kvdaemon.daemon.shares import LOW_WATER
 
-from tests.kvdaemon.daemon.test_service import NUM_PAGES, Harness
+from tests.kvdaemon.daemon.test_service import NUM_PAGES, PAGE_BYTES, Harness
 
 
 @pytest.fixture
@@ -61,3 +61,55 @@ def test_an_ask_ahead_is_not_urgent_and_an_ask_for_a_grow_is(h: Harness) -> None
     assert h.error("grow", **h.auth("small", small.token, logical_pages=[2, 3], wait_s=0)) == "NO_MEMORY"
     asks = [body["args"] for _, body in h.leases.notices if body["notice"] == "reclaim"]
     assert asks[-1]["urgent"] is True, "a grow's real need is owed"
+
+
+def test_an_ask_ahead_goes_to_the_tenant_past_its_fair_share_not_the_largest(h: Harness) -> None:
+    """Fair shares (15 pages less the low water, halved: 7 each): "within" holds 6 pages, all
+    reclaimable; "past" holds 10 with 8 of them its minimum. Largest reclaimable first would ask
+    "within"; only "past" holds anything past its fair share."""
+    reg = h.register("past", min_bytes=8 * PAGE_BYTES)
+    h.ok("grow", **h.auth("past", reg["token"], logical_pages=list(range(5))))
+    ids = {"past": reg["tenant_id"], **fill(h, {"within": 3})}  # 16 of 16 pages mapped
+    h.tick(0.01)
+    assert reclaims(h) == [(ids["past"], 1)]
+
+
+def test_a_guaranteed_tenant_past_its_weighted_part_leaves_the_rest_to_the_others(h: Harness) -> None:
+    """"g" is guaranteed 10 pages and holds them: its fair share is its minimum, the other two
+    split the rest (2.5 pages each, 2 in whole logical pages), so "b" (4 pages) is past its own."""
+    reg = h.register("g", min_bytes=10 * PAGE_BYTES)
+    h.ok("grow", **h.auth("g", reg["token"], logical_pages=list(range(5))))
+    ids = fill(h, {"b": 2, "c": 1})  # 16 of 16 pages mapped
+    h.tick(0.01)
+    assert reclaims(h) == [(ids["b"], 1)]
+
+
+def heartbeat(h: Harness, reg: dict[str, object], name: str) -> dict[str, object]:
+    return h.ok("heartbeat", **h.auth(name, reg["token"]))
+
+
+def test_the_heartbeat_tells_each_tenant_its_fair_share_in_whole_logical_pages(h: Harness) -> None:
+    usable = NUM_PAGES - int(NUM_PAGES * LOW_WATER)  # 15 physical pages; a logical page is 2
+    a = h.register("a", weight=3.0)
+    assert heartbeat(h, a, "a")["fair_bytes"] == usable // 2 * 2 * PAGE_BYTES
+    b = h.register("b", weight=1.0)
+    assert heartbeat(h, a, "a")["fair_bytes"] == 10 * PAGE_BYTES  # 11.25 pages, in logical pages
+    assert heartbeat(h, b, "b")["fair_bytes"] == 2 * PAGE_BYTES  # 3.75
+    guaranteed = h.register("g", min_bytes=12 * PAGE_BYTES)
+    assert heartbeat(h, guaranteed, "g")["fair_bytes"] == 12 * PAGE_BYTES  # its minimum first
+    assert heartbeat(h, a, "a")["fair_bytes"] == 2 * PAGE_BYTES  # 3 pages left: 2.25 of them
+    assert heartbeat(h, b, "b")["fair_bytes"] == 0  # 0.75
+
+
+def test_a_tenant_not_attached_is_told_its_share_as_if_it_were(h: Harness) -> None:
+    a = h.register("a")
+    unattached = h.register("u", leased=False, weight=3.0)
+    assert heartbeat(h, unattached, "u")["fair_bytes"] == 10 * PAGE_BYTES  # 15 * 3/4, not 15 * 3/3
+    assert heartbeat(h, a, "a")["fair_bytes"] == 14 * PAGE_BYTES  # "u" holds no share of the others
+
+
+def test_the_heartbeat_tells_what_a_grow_ahead_of_need_could_take(h: Harness) -> None:
+    a = h.register("a")
+    assert heartbeat(h, a, "a")["ahead_bytes"] == (NUM_PAGES - int(NUM_PAGES * LOW_WATER)) * PAGE_BYTES
+    fill(h, {"b": 7})  # 2 pages free, 1 of them the low water
+    assert heartbeat(h, a, "a")["ahead_bytes"] == 1 * PAGE_BYTES
