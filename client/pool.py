@@ -236,13 +236,12 @@ class KVPool:
 
     def scarce_free_blocks(self) -> int | None:
         """While the daemon has no memory to spare (it refused this pool a grow ahead of
-        need within the last ``REFUSED_S`` and granted none since, or the pool recycles its
-        cache: ``PoolCore.recycles``), the blocks free here without a round trip; ``None``
-        otherwise. An engine then reuses its own cached blocks before taking the daemon's
-        last free pages, which are kept for real need (``BlockManager``). O(1), no lock: a
-        hint, stale by one agent step at most."""
+        need within the last ``REFUSED_S`` and granted none since), the blocks free here
+        without a round trip; ``None`` otherwise. An engine then reuses its own cached
+        blocks before taking the daemon's last free pages, which are kept for real need
+        (``BlockManager``). O(1), no lock: a hint, stale by one agent step at most."""
         core = self.core
-        return core.allocator.num_free if core.scarce() or core.recycles() else None
+        return core.allocator.num_free if core.scarce() else None
 
     @property
     def used_bytes(self) -> int:
