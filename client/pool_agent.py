@@ -248,13 +248,15 @@ class PoolAgent:
         """The reserve, then (once it is mapped) the floor, each unless backing off (lock held);
         a refusal backs off, whatever wakes the agent meanwhile (``keep_free``, most notices).
         No floor while the pool recycles its cache (``PoolCore.recycles``: the daemon has
-        nothing to spare, as its last heartbeat reply or a refusal said). A floor found mapped asks nothing and leaves the
-        back-off as it is: only a grant ends it, so a floor that dips at every step of a busy
-        engine asks a daemon short of memory at most as often as the back-off allows."""
+        nothing to spare, as its last heartbeat reply or a refusal said). A floor found mapped
+        asks nothing and leaves the back-off as it is: only a grant ends it, so a floor that
+        dips at every step of a busy engine asks a daemon short of memory at most as often as
+        the back-off allows."""
         core, now = self.core, time.monotonic()
         if self.reserve_backoff.due(now):
             self.reserve_backoff.note(core.grow_reserve(), now)
-        if core.reserve_mapped() and not core.floor_mapped() and self.floor_backoff.due(now) and not core.recycles():
+        wants_floor = core.reserve_mapped() and not core.floor_mapped()
+        if wants_floor and self.floor_backoff.due(now) and not core.recycles():
             granted = core.grow_floor()
             self.floor_backoff.note(granted, now)
             self._floor_refused = not granted

@@ -242,7 +242,8 @@ class PoolCore:
         if self.reclaim_hook is None or fair is None or self.mapped_bytes < fair:
             return False
         refused = time.monotonic() - max(self.ahead_refused_at, self.refused_at) < REFUSED_S
-        return self.cell.state is PoolState.ACTIVE and (refused or (room is not None and room < self.logical_page_bytes))
+        told_none = room is not None and room < self.logical_page_bytes
+        return self.cell.state is PoolState.ACTIVE and (refused or told_none)
 
     def reserve_mapped(self) -> bool:
         return self._has_free(self.reserve_blocks)

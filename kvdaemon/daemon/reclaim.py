@@ -147,8 +147,8 @@ class Reclaimer:
         if short <= 0 or self.parked or now < self._next_ask_ahead:
             return
         self._next_ask_ahead = now + ASK_AHEAD_S
-        victims = [(t, min(pages, self.shares.pages_past_fair(t))) for t, pages in self._victims(None, now)]
-        victims = sorted(((t, pages) for t, pages in victims if pages > 0), key=lambda v: v[1] / v[0].weight, reverse=True)
+        capped = [(t, min(pages, self.shares.pages_past_fair(t))) for t, pages in self._victims(None, now)]
+        victims = sorted((v for v in capped if v[1] > 0), key=lambda v: v[1] / v[0].weight, reverse=True)
         if victims:
             self._ask(victims, short, stop_when_covered=True, urgent=False)
             self.num_asks_ahead += 1

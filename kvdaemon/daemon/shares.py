@@ -89,7 +89,9 @@ class Shares:
             rest = [t for t in active if t.tenant_id not in parts]
             left = max(0.0, usable - sum(parts.values()))
             total = sum(t.weight for t in rest)
-            fixed = {t.tenant_id: float(_min_pages(t)) for t in rest if _min_pages(t) > left * t.weight / total}
+            minimums = {t.tenant_id: float(_min_pages(t)) for t in rest}
+            fixed = {t.tenant_id: minimums[t.tenant_id] for t in rest
+                     if minimums[t.tenant_id] > left * t.weight / total}
             if not fixed:
                 break
             parts.update(fixed)

@@ -7,9 +7,9 @@ the families the engine must serve token-exact, ``REFUSED`` those it must refuse
 at construction, each with a pattern of the reason. Falcon and Bloom are refused
 where the installed transformers computes their attention inline, and served
 where its modeling module calls it through ``ALL_ATTENTION_FUNCTIONS`` (Falcon
-does from 5.25 on): read from the module's source, not from our probe. Variants ``*-window`` set a
-sliding window of ``WINDOW`` tokens, shorter than the test prompts, so it binds;
-``gemma2-softcap`` a softcap that binds.
+does from 5.25 on): read from the module's source, not from our probe.
+Variants ``*-window`` set a sliding window of ``WINDOW`` tokens, shorter than
+the test prompts, so it binds; ``gemma2-softcap`` a softcap that binds.
 """
 
 from __future__ import annotations
