@@ -41,7 +41,11 @@ With ``--repeats`` / ``--overload-repeats`` N (defaults 2 and 4: one run's
 TTFT p99 can double on a hiccup of the shared cores, overload preemption
 counts swing by a third between runs of one mode, and two static overload
 runs in a row differed by 17% in tokens/s), each seed is replayed N times per
-mode, modes in ABBA order (static, elastic, elastic, static, ...: a drift of
+mode; a bursty or light seed found uncontended after them is replayed up to
+``--uncontended-repeats`` (default 4) times in all (its targets are 10-20% on
+a TTFT of ~20 ms, and one run's mean of one mode moves by 10-15%: the L0 seed's
+elastic/static mean ratio read 1.12x and 1.16x over 2-3 repeats, 1.07x over 6);
+modes in ABBA order (static, elastic, elastic, static, ...: a drift of
 the machine's speed weighs on both alike), and the runs pooled (``pooled``):
 TTFT over every request, tokens over the summed makespans, preemptions summed.
 
@@ -61,6 +65,7 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -121,23 +126,52 @@ def positive(kind: type) -> Any:
 
 def run_seed(
     models: list[Any], trace: list[Arrival], capacity: int, budget: int, repeats: int = 1,
-    modes: tuple[str, ...] = MODES,
+    modes: tuple[str, ...] = MODES, more: Callable[[dict[str, Any]], int] | None = None,
 ) -> dict[str, Any]:
     """Each of ``modes`` over ``trace``, ``repeats`` times, pooled: summaries and runs.
 
     Repeats alternate the order of the modes (``modes``, then reversed: ABBA),
     so a steady drift of the machine's speed over the seed weighs on every mode
-    alike for an even ``repeats``.
+    alike for an even ``repeats``. ``more``, given the pooled summaries, says how
+    many repeats to add (``extra_repeats``: an uncontended seed's few-ms TTFT
+    ratios need more runs to stand above the machine's noise); they continue
+    the ABBA order, and every run is pooled.
     """
     done: dict[str, list[ModeRun]] = {mode: [] for mode in modes}
-    for repeat in range(repeats):
+    _replay_repeats(models, trace, capacity, budget, done, range(repeats))
+    summary = _pool(done, len(models))
+    num_more = more(summary["results"]) if more is not None else 0
+    if num_more > 0:
+        _replay_repeats(models, trace, capacity, budget, done, range(repeats, repeats + num_more))
+        summary = _pool(done, len(models))
+    return summary
+
+
+def _replay_repeats(
+    models: list[Any], trace: list[Arrival], capacity: int, budget: int,
+    done: dict[str, list[ModeRun]], repeats: range,
+) -> None:
+    """Replay ``trace`` once per mode for each repeat index, even indices in ``done``'s order."""
+    modes = tuple(done)
+    for repeat in repeats:
         for mode in (modes if repeat % 2 == 0 else modes[::-1]):
             done[mode].append(replay(mode, models, trace, capacity, budget))
+
+
+def _pool(done: dict[str, list[ModeRun]], num_tenants: int) -> dict[str, Any]:
     runs = {mode: pooled(mode_runs) for mode, mode_runs in done.items()}
-    repeat_p99 = {mode: [summarize(run, len(models))["overall"]["ttft_p99_s"] for run in mode_runs]
+    repeat_p99 = {mode: [summarize(run, num_tenants)["overall"]["ttft_p99_s"] for run in mode_runs]
                   for mode, mode_runs in done.items()}
-    return {"runs": runs, "results": {mode: summarize(run, len(models)) for mode, run in runs.items()},
+    return {"runs": runs, "results": {mode: summarize(run, num_tenants) for mode, run in runs.items()},
             "repeat_p99": repeat_p99}
+
+
+def extra_repeats(results: dict[str, Any], third: int, logical_page: int, repeats: int, quiet_repeats: int) -> int:
+    """Repeats to add to a seed whose pooled static run was not contended: up to
+    ``quiet_repeats`` in all (none for a contended seed)."""
+    if contended(results["static"], third, logical_page):
+        return 0
+    return max(0, quiet_repeats - repeats)
 
 
 def contended(static: dict[str, Any], third: int, logical_page: int) -> bool:
@@ -283,6 +317,8 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"bursty seeds replayed at {LIGHT_RATE:g}x the bursty rates ('' for none)")
     parser.add_argument("--overload-seeds", type=seed_list, default="0-1", help="steady overload trace seeds ('' for none)")
     parser.add_argument("--repeats", type=positive(int), default=2, help="replays of each bursty seed per mode, pooled")
+    parser.add_argument("--uncontended-repeats", type=positive(int), default=4,
+                        help="replays per mode of a bursty or light seed found uncontended, in all")
     parser.add_argument("--overload-repeats", type=positive(int), default=4, help="replays of each overload seed per mode")
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the unbounded replays (each tenant the whole capacity) that set the TTFT floor")
@@ -330,11 +366,12 @@ def main() -> None:
     bursty = [(seed, str(seed), bursty_shape) for seed in seeds]
     for seed, label, trace_shape in bursty + [(seed, f"L{seed}", light_shape) for seed in light_seeds]:
         done = run_seed(models, bursty_trace(trace_shape, seed), capacity, opts.budget, opts.repeats,
-                        MODES if opts.no_floor else FLOOR_MODES)
+                        MODES if opts.no_floor else FLOOR_MODES, more=lambda results: extra_repeats(
+                            results, third, logical_page, opts.repeats, opts.uncontended_repeats))
         cls = "contended" if contended(done["results"]["static"], third, logical_page) else "uncontended"
         r = ratios(done["results"], done["repeat_p99"])
         rows.append({"class": cls, "seed": label, "ratios": r, "results": done["results"],
-                     "repeat_p99": done["repeat_p99"]})
+                     "repeat_p99": done["repeat_p99"], "repeats": len(done["repeat_p99"]["static"])})
         print_seed(cls, label, done["results"], r)
         if label == str(plot_seed):
             plot(done["runs"], models, capacity, seed)

@@ -105,6 +105,42 @@ def test_repeats_run_the_modes_in_abba_order_and_pool_every_run(monkeypatch: pyt
     assert static.preemptions == [1 + 4 + 5 + 8]  # the static runs' own counts, summed
 
 
+def _fake_replays(monkeypatch: pytest.MonkeyPatch, order: list[str], peak_bytes: int = 0) -> None:
+    def fake_replay(mode: str, models: list[Any], trace: list[Arrival], capacity: int, budget: int) -> Any:
+        order.append(mode)
+        run = multitenant_replay.ModeRun(mode, makespan_s=1.0, preemptions=[0], computed_tokens=[0],
+                                         steps=[0], peak_used_bytes=[peak_bytes])
+        run.requests = [(0, multitenant_replay.Request(0, [1], 1, frozenset(), arrival_s=0.0, first_token_s=0.5))]
+        return run
+
+    monkeypatch.setattr(multitenant, "replay", fake_replay)
+
+
+@pytest.mark.parametrize(("peak_bytes", "num_runs"), [(0, 8), (12 * MiB, 4)])
+def test_an_uncontended_seed_gets_its_extra_repeats_in_abba_order(
+    monkeypatch: pytest.MonkeyPatch, peak_bytes: int, num_runs: int
+) -> None:
+    order: list[str] = []
+    _fake_replays(monkeypatch, order, peak_bytes)
+    third, page = 12 * MiB, 256 * 1024
+
+    def more(results: dict[str, Any]) -> int:
+        return multitenant.extra_repeats(results, third, page, repeats=2, quiet_repeats=4)
+
+    done = multitenant.run_seed([object()], [], 36 * MiB, 512, repeats=2, more=more)
+    assert order == ["static", "elastic", "elastic", "static", "static", "elastic", "elastic", "static"][:num_runs]
+    assert len(done["runs"]["elastic"].requests) == num_runs // 2  # every run pooled
+    assert len(done["repeat_p99"]["static"]) == num_runs // 2
+
+
+def test_extra_repeats_never_go_below_the_repeats_asked() -> None:
+    quiet = {"static": {"tenants": [{"peak_used_bytes": 0, "preemptions": 0}]}}
+    assert multitenant.extra_repeats(quiet, MiB, 1024, repeats=6, quiet_repeats=4) == 0
+    assert multitenant.extra_repeats(quiet, MiB, 1024, repeats=1, quiet_repeats=4) == 3
+    preempted = {"static": {"tenants": [{"peak_used_bytes": 0, "preemptions": 1}]}}
+    assert multitenant.extra_repeats(preempted, MiB, 1024, repeats=1, quiet_repeats=4) == 0
+
+
 def test_seed_lists_name_ranges_and_single_seeds() -> None:
     assert multitenant.seed_list("0-3") == [0, 1, 2, 3]
     assert multitenant.seed_list("0,3, 5") == [0, 3, 5]
@@ -119,6 +155,7 @@ def test_seed_lists_name_ranges_and_single_seeds() -> None:
     (["--overload-seeds", "-1"], "argument --overload-seeds: '-1' is not a seed list"),
     (["--repeats", "0"], "argument --repeats: '0' is not a whole number above 0"),
     (["--repeats", "1.5"], "argument --repeats: '1.5' is not a whole number above 0"),
+    (["--uncontended-repeats", "0"], "argument --uncontended-repeats: '0' is not a whole number above 0"),
     (["--seeds", "1-"], "argument --seeds: '1-' is not a seed list"),
     (["--seeds", "0-99999999999"], "argument --seeds: '0-99999999999' is not a seed list: give seeds below 1000"),
     (["--scale", "nan"], "argument --scale: 'nan' is not a number above 0"),
