@@ -37,10 +37,11 @@ twice the floor's, pooled and in every repeat alone, cannot meet the 0.5x
 target: it still misses, is marked *unreachable*, and the contended worst is
 printed again without such seeds (``ttft_p99_reachable`` in the results).
 
-With ``--repeats`` / ``--overload-repeats`` N (defaults 2 and 4: one run's
+With ``--repeats`` / ``--overload-repeats`` N (defaults 2 and 10: one run's
 TTFT p99 can double on a hiccup of the shared cores, overload preemption
-counts swing by a third between runs of one mode, and two static overload
-runs in a row differed by 17% in tokens/s), each seed is replayed N times per
+counts swing by a third between runs of one mode, and one mode's forward
+took 6.6-9.0 ms per step of the same shape between runs, so 4-6 pooled
+overload runs read 0.95-1.03x static for the same code), each seed is replayed N times per
 mode; a bursty or light seed found uncontended after them is replayed up to
 ``--uncontended-repeats`` (default 4) times in all (its targets are 10-20% on
 a TTFT of ~20 ms, and one run's mean of one mode moves by 10-15%: the L0 seed's
@@ -319,7 +320,7 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=positive(int), default=2, help="replays of each bursty seed per mode, pooled")
     parser.add_argument("--uncontended-repeats", type=positive(int), default=4,
                         help="replays per mode of a bursty or light seed found uncontended, in all")
-    parser.add_argument("--overload-repeats", type=positive(int), default=4, help="replays of each overload seed per mode")
+    parser.add_argument("--overload-repeats", type=positive(int), default=10, help="replays of each overload seed per mode")
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the unbounded replays (each tenant the whole capacity) that set the TTFT floor")
     parser.add_argument("--plot-seed", type=int, default=None)
