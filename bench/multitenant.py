@@ -41,8 +41,8 @@ With ``--repeats`` / ``--overload-repeats`` N (defaults 2 and 10: one run's
 TTFT p99 can double on a hiccup of the shared cores, overload preemption
 counts swing by a third between runs of one mode, and one mode's forward
 took 6.6-9.0 ms per step of the same shape between runs, so 4-6 pooled
-overload runs read 0.95-1.03x static for the same code), each seed is replayed N times per
-mode; a bursty or light seed found uncontended after them is replayed up to
+overload runs read 0.95-1.03x static for the same code), each seed is
+replayed N times per mode; a bursty or light seed found uncontended after them is replayed up to
 ``--uncontended-repeats`` (default 4) times in all (its targets are 10-20% on
 a TTFT of ~20 ms, and one run's mean of one mode moves by 10-15%: the L0 seed's
 elastic/static mean ratio read 1.12x and 1.16x over 2-3 repeats, 1.07x over 6);
