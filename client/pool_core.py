@@ -357,7 +357,7 @@ class PoolCore:
     def _return(self, lps: list[int]) -> None:
         for lp in lps:
             self.allocator.remove_page(lp)
-            self.segments.drop(lp)
+        self.segments.drop_pages(lps)
         self.give_back(lps)
 
     def give_back(self, lps: list[int]) -> None:
@@ -382,8 +382,7 @@ class PoolCore:
 
     def drop_all_pages(self) -> None:
         """Unmap every page here (without telling the daemon) and empty the allocator."""
-        for lp in list(self.segments.pages):
-            self.segments.drop(lp)
+        self.segments.drop_pages(list(self.segments.pages))
         self.allocator = self.new_allocator()
         self.sleeping_allocator = None
 

@@ -9,12 +9,13 @@ hand-over all go through it.
 Invariants: ``pages[lp]`` holds one page per segment exactly while logical page
 lp is mapped in every segment; a failed map leaves nothing half-mapped.
 
-Cost: one backend map or unmap per segment per logical page; `unmap_all` one unmap per
-run of consecutive logical pages and segment.
+Cost: one backend map per segment per logical page; one backend unmap per run of
+consecutive logical pages and segment (`unmap_pages`, `drop_pages`, `unmap_all`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
@@ -76,30 +77,38 @@ class SegmentMap:
             self.backend.unmap(base + offset, self.page_bytes)
         return self.pages.pop(lp)
 
-    def drop(self, lp: int) -> None:
-        """Unmap ``lp`` and release its handles."""
-        self.release(self.unmap(lp))
-
     def release(self, pages: list[PhysicalPage]) -> None:
         for page in pages:
             self.backend.release_page(page)
 
-    def unmap_all(self) -> dict[int, list[PhysicalPage]]:
-        """Unmap every logical page; return them all (handles kept) for a remap or a release.
+    def unmap_pages(self, lps: Iterable[int]) -> dict[int, list[PhysicalPage]]:
+        """Unmap logical pages ``lps`` (each mapped: ``KeyError`` before anything is unmapped
+        otherwise) from every segment; return their pages (handles kept), in page order.
 
         Cost: one backend unmap per run of consecutive logical pages and segment
-        (a sleep of 1 GiB in 64 KiB pages: 32 calls, not 16,384)."""
-        lps = sorted(self.pages)
+        (a return or a sleep of 1 GiB in 64 KiB pages: 32 calls, not 16,384)."""
+        pages = {lp: self.pages[lp] for lp in sorted(set(lps))}
+        lps_sorted = list(pages)
         start = 0
-        for end in range(1, len(lps) + 1):
-            if end == len(lps) or lps[end] != lps[end - 1] + 1:
-                offset, size_bytes = lps[start] * self.page_bytes, (end - start) * self.page_bytes
+        for end in range(1, len(lps_sorted) + 1):
+            if end == len(lps_sorted) or lps_sorted[end] != lps_sorted[end - 1] + 1:
+                offset = lps_sorted[start] * self.page_bytes
+                size_bytes = (end - start) * self.page_bytes
                 for base in self.bases:
                     self.backend.unmap(base + offset, size_bytes)
                 start = end
-        pages = {lp: self.pages[lp] for lp in lps}
-        self.pages.clear()
+        for lp in lps_sorted:
+            del self.pages[lp]
         return pages
+
+    def drop_pages(self, lps: Iterable[int]) -> None:
+        """Unmap logical pages ``lps`` (as ``unmap_pages``) and release their handles."""
+        for pages in self.unmap_pages(lps).values():
+            self.release(pages)
+
+    def unmap_all(self) -> dict[int, list[PhysicalPage]]:
+        """Unmap every logical page; return them all (handles kept) for a remap or a release."""
+        return self.unmap_pages(self.pages)
 
     def map_all(self, pages: dict[int, list[PhysicalPage]]) -> None:
         """Map every logical page of ``pages`` (e.g. back after a refused sleep)."""

@@ -41,3 +41,58 @@ def test_unmap_all_by_runs_unmaps_exactly_the_mapped_pages_and_maps_back(backend
     for lp in mapped:
         segments.release(segments.unmap(lp))
     segments.free_ranges()
+
+
+class CountingBackend(HostBackend):
+    """A host backend that records each unmap call's (address, size)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.unmaps: list[tuple[int, int]] = []
+
+    def unmap(self, addr: int, size_bytes: int) -> None:
+        self.unmaps.append((addr, size_bytes))
+        super().unmap(addr, size_bytes)
+
+
+def _mapped(backend: HostBackend, lps: list[int], num_segments: int = 2) -> SegmentMap:
+    segments = SegmentMap(backend, num_segments=num_segments, num_virtual_pages=16, page_bytes=PAGE)
+    segments.reserve()
+    for i, lp in enumerate(lps):
+        segments.map(lp, [backend.create_page(num_segments * i + seg) for seg in range(num_segments)])
+    return segments
+
+
+def test_drop_pages_unmaps_each_run_once_per_segment_and_frees_the_handles() -> None:
+    backend = CountingBackend(num_pages=64, page_size_bytes=PAGE)
+    backend.start()
+    try:
+        segments = _mapped(backend, [0, 1, 2, 3, 5, 6, 9])
+        segments.drop_pages([6, 2, 3, 5, 9])  # runs 2-3 and 5-6, lone 9; any order
+        base0, base1 = segments.bases
+        assert sorted(backend.unmaps) == sorted(
+            [(base + lp * PAGE, n * PAGE) for base in (base0, base1) for lp, n in ((2, 2), (5, 2), (9, 1))])
+        assert sorted(segments.pages) == [0, 1]
+        # the handles went back (their ids can be made again) and every slot is free again
+        for i, lp in ((2, 2), (3, 3), (4, 5), (5, 6), (6, 9)):
+            segments.map(lp, [backend.create_page(2 * i), backend.create_page(2 * i + 1)])
+        segments.drop_pages(list(segments.pages))
+        assert segments.pages == {}
+        segments.free_ranges()
+    finally:
+        backend.close()
+
+
+def test_unmap_pages_of_a_page_not_mapped_raises_before_unmapping_anything() -> None:
+    backend = CountingBackend(num_pages=64, page_size_bytes=PAGE)
+    backend.start()
+    try:
+        segments = _mapped(backend, [0, 1])
+        held = dict(segments.pages)
+        with pytest.raises(KeyError):
+            segments.unmap_pages([1, 4])
+        assert backend.unmaps == [] and segments.pages == held
+        segments.drop_pages([0, 1])
+        segments.free_ranges()
+    finally:
+        backend.close()
