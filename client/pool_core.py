@@ -382,7 +382,7 @@ class PoolCore:
 
     def drop_all_pages(self) -> None:
         """Unmap every page here (without telling the daemon) and empty the allocator."""
-        self.segments.drop_pages(list(self.segments.pages))
+        self.segments.drop_pages(self.segments.pages)
         self.allocator = self.new_allocator()
         self.sleeping_allocator = None
 

@@ -55,6 +55,14 @@ class CountingBackend(HostBackend):
         super().unmap(addr, size_bytes)
 
 
+@pytest.fixture
+def counting() -> Iterator[CountingBackend]:
+    backend = CountingBackend(num_pages=64, page_size_bytes=PAGE)
+    backend.start()
+    yield backend
+    backend.close()
+
+
 def _mapped(backend: HostBackend, lps: list[int], num_segments: int = 2) -> SegmentMap:
     segments = SegmentMap(backend, num_segments=num_segments, num_virtual_pages=16, page_bytes=PAGE)
     segments.reserve()
@@ -63,36 +71,26 @@ def _mapped(backend: HostBackend, lps: list[int], num_segments: int = 2) -> Segm
     return segments
 
 
-def test_drop_pages_unmaps_each_run_once_per_segment_and_frees_the_handles() -> None:
-    backend = CountingBackend(num_pages=64, page_size_bytes=PAGE)
-    backend.start()
-    try:
-        segments = _mapped(backend, [0, 1, 2, 3, 5, 6, 9])
-        segments.drop_pages([6, 2, 3, 5, 9])  # runs 2-3 and 5-6, lone 9; any order
-        base0, base1 = segments.bases
-        assert sorted(backend.unmaps) == sorted(
-            [(base + lp * PAGE, n * PAGE) for base in (base0, base1) for lp, n in ((2, 2), (5, 2), (9, 1))])
-        assert sorted(segments.pages) == [0, 1]
-        # the handles went back (their ids can be made again) and every slot is free again
-        for i, lp in ((2, 2), (3, 3), (4, 5), (5, 6), (6, 9)):
-            segments.map(lp, [backend.create_page(2 * i), backend.create_page(2 * i + 1)])
-        segments.drop_pages(list(segments.pages))
-        assert segments.pages == {}
-        segments.free_ranges()
-    finally:
-        backend.close()
+def test_drop_pages_unmaps_each_run_once_per_segment_and_frees_the_handles(counting: CountingBackend) -> None:
+    segments = _mapped(counting, [0, 1, 2, 3, 5, 6, 9])
+    segments.drop_pages([6, 2, 3, 5, 9])  # runs 2-3 and 5-6, lone 9; any order
+    base0, base1 = segments.bases
+    assert sorted(counting.unmaps) == sorted(
+        [(base + lp * PAGE, n * PAGE) for base in (base0, base1) for lp, n in ((2, 2), (5, 2), (9, 1))])
+    assert sorted(segments.pages) == [0, 1]
+    # the handles went back (their ids can be made again) and every slot is free again
+    for i, lp in ((2, 2), (3, 3), (4, 5), (5, 6), (6, 9)):
+        segments.map(lp, [counting.create_page(2 * i), counting.create_page(2 * i + 1)])
+    segments.drop_pages(segments.pages)
+    assert segments.pages == {}
+    segments.free_ranges()
 
 
-def test_unmap_pages_of_a_page_not_mapped_raises_before_unmapping_anything() -> None:
-    backend = CountingBackend(num_pages=64, page_size_bytes=PAGE)
-    backend.start()
-    try:
-        segments = _mapped(backend, [0, 1])
-        held = dict(segments.pages)
-        with pytest.raises(KeyError):
-            segments.unmap_pages([1, 4])
-        assert backend.unmaps == [] and segments.pages == held
-        segments.drop_pages([0, 1])
-        segments.free_ranges()
-    finally:
-        backend.close()
+def test_unmap_pages_of_a_page_not_mapped_raises_before_unmapping_anything(counting: CountingBackend) -> None:
+    segments = _mapped(counting, [0, 1])
+    held = dict(segments.pages)
+    with pytest.raises(KeyError):
+        segments.unmap_pages([1, 4])
+    assert counting.unmaps == [] and segments.pages == held
+    segments.drop_pages([0, 1])
+    segments.free_ranges()
