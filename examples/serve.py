@@ -22,6 +22,7 @@ import torch
 import transformers
 
 from kvdaemon.client import KVClient, KVPool
+from kvdaemon.heap import freeze_heap
 from kvdaemon.integrations.hf import Engine, kv_spec_for
 
 MiB = 1 << 20
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="the daemon's directory (default: $KVDAEMON_DIR)")
     opts = parser.parse_args()
     model = build_model(opts.arch, opts.seed)
+    freeze_heap()  # start-up is done: no full collection walks the model mid-forward
     rng = random.Random(opts.seed)
     with KVClient(opts.dir) as client:
         pool = client.register(opts.name, kv_spec_for(model, block_size=16))

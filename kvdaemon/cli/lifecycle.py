@@ -34,6 +34,7 @@ from kvdaemon.cli.logs import FILE_MODE, logging_to
 from kvdaemon.cli.notify import notify_ready, notify_stopping
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.errors import ConfigError, Conflict
+from kvdaemon.heap import freeze_heap
 from kvdaemon.wire.paths import read_pid as _read_pid
 from kvdaemon.wire.paths import PRIVATE_DIR_MODE as DIR_MODE
 from kvdaemon.wire.paths import DaemonPaths, check_private_dir
@@ -68,6 +69,7 @@ def run_foreground(config: DaemonConfig) -> int:
         with _stop_on_signals(daemon.stop):
             try:
                 daemon.start()
+                freeze_heap()  # full collections walk only what serving creates
                 line = startup_line(daemon)
                 log.info("%s", line)
                 notify_ready(line)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import logging
 import os
 import shutil
@@ -139,6 +140,7 @@ def test_run_foreground_serves_until_shutdown_and_cleans_up(root: Path) -> None:
                     seen["pid"] = client.hello()["pid"]
                     seen["pid_file"] = paths.pid_file.read_text()
                     seen["running"] = running_pid(paths)
+                    seen["heap_frozen"] = gc.get_freeze_count() > 0
                     client.shutdown()
                 finally:
                     client.close()
@@ -148,11 +150,16 @@ def test_run_foreground_serves_until_shutdown_and_cleans_up(root: Path) -> None:
     handlers_before = list(logging.getLogger("kvdaemon").handlers)
     sigterm_before = signal.getsignal(signal.SIGTERM)
     helper = threading.Thread(target=shut_down_once_up)
+    gc.unfreeze()  # whatever froze before: the daemon must freeze its own heap once it serves
     helper.start()
-    assert lifecycle.run_foreground(make_config(root, log_file=paths.log_file)) == 0
+    try:
+        assert lifecycle.run_foreground(make_config(root, log_file=paths.log_file)) == 0
+    finally:
+        gc.unfreeze()
     helper.join()
 
-    assert seen == {"pid": os.getpid(), "pid_file": f"{os.getpid()}\n", "running": os.getpid()}
+    assert seen == {"pid": os.getpid(), "pid_file": f"{os.getpid()}\n", "running": os.getpid(),
+                    "heap_frozen": True}
     assert not paths.pid_file.exists()
     assert not any(path.exists() for path in paths.sockets())
     assert running_pid(paths) is None
