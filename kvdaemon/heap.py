@@ -29,8 +29,8 @@ def freeze_heap() -> int:
     """Collect every generation, then freeze all that survives; return the number of objects frozen.
 
     Cost: one full collection (~170 ms with torch, transformers and a model
-    loaded on a 2-core VM; ~5 ms in the daemon). Idempotent: a second call
-    freezes only what was created since the first.
+    loaded on a 2-core VM; ~5 ms in the daemon). A second call adds only
+    what was created since the first.
     """
     gc.collect()
     gc.freeze()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TypeVar
 
 import pytest
 import torch
@@ -11,14 +12,20 @@ from kvdaemon.client.segments import SegmentMap
 from kvdaemon.cuda_vmm import HostBackend
 
 PAGE = 4096
+B = TypeVar("B", bound=HostBackend)
+
+
+def _running(kind: type[B]) -> Iterator[B]:
+    """A started host backend of 64 pages of ``PAGE`` bytes, closed after the test."""
+    backend = kind(num_pages=64, page_size_bytes=PAGE)
+    backend.start()
+    yield backend
+    backend.close()
 
 
 @pytest.fixture
 def backend() -> Iterator[HostBackend]:
-    backend = HostBackend(num_pages=64, page_size_bytes=PAGE)
-    backend.start()
-    yield backend
-    backend.close()
+    yield from _running(HostBackend)
 
 
 def test_unmap_all_by_runs_unmaps_exactly_the_mapped_pages_and_maps_back(backend: HostBackend) -> None:
@@ -57,10 +64,7 @@ class CountingBackend(HostBackend):
 
 @pytest.fixture
 def counting() -> Iterator[CountingBackend]:
-    backend = CountingBackend(num_pages=64, page_size_bytes=PAGE)
-    backend.start()
-    yield backend
-    backend.close()
+    yield from _running(CountingBackend)
 
 
 def _mapped(backend: HostBackend, lps: list[int], num_segments: int = 2) -> SegmentMap:
