@@ -236,12 +236,13 @@ class KVPool:
 
     def scarce_free_blocks(self) -> int | None:
         """While the daemon has no memory to spare (it refused this pool a grow ahead of
-        need within the last ``REFUSED_S`` and granted none since), the blocks free here
-        without a round trip; ``None`` otherwise. An engine then reuses its own cached
+        need within the last ``REFUSED_S`` and granted none since, or the pool recycles its
+        cache: ``PoolCore.recycles``), the blocks free here without a round trip; ``None``
+        otherwise. An engine then reuses its own cached
         blocks before taking the daemon's last free pages, which are kept for real need
         (``BlockManager``). O(1), no lock: a hint, stale by one agent step at most."""
         core = self.core
-        return core.allocator.num_free if core.scarce() else None
+        return core.allocator.num_free if core.scarce() or core.recycles() else None
 
     @property
     def used_bytes(self) -> int:
@@ -324,6 +325,9 @@ class KVPool:
         kept at the tick like spare and given up to a reclaim like spare; the
         daemon grants it only from memory free above its low-water mark, asks
         no other tenant for it, and does not count its refusal as a shortage.
+        While the pool recycles its cache (``PoolCore.recycles``) the agent is
+        not woken here: its engine's allocations evict their own cached blocks
+        first, and the agent makes the reserve from the cache at its tick.
         A reserve past the limit maps up to the limit. A count outside
         ``[0, num_blocks of the pool]`` raises ``BadRequest`` (nothing
         changed). Never waits; ``0`` (the default) keeps nothing back.
@@ -339,7 +343,7 @@ class KVPool:
         core.reserve_blocks, core.spare_blocks, core.ahead_blocks = num_blocks, num_spare_blocks, num_ahead_blocks
         free, agent = core.allocator.num_free, self.agent
         due = (free < num_blocks and agent.grow_due()) or (free < num_ahead_blocks and agent.grow_due(floor=True))
-        if due and core.headroom_pages() > 0:
+        if due and core.headroom_pages() > 0 and not core.recycles():
             agent.nudge()  # (at its limit there is nothing to map; after a refusal the agent waits)
 
     def _alloc_after_wake(self, num_blocks: int) -> list[int]:

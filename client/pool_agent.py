@@ -24,9 +24,11 @@ notice, and a refused floor never holds the reserve back; while the daemon
 has no memory to spare for the floor, the engine's own cache-only blocks are
 evicted for it while the engine works, so its allocations still find blocks
 without a round trip; a pool holding its fair share, told in every heartbeat
-reply, evicts them before it asks at all while the daemon has nothing to
-spare, so tenants whose caches fill the device keep what they hold instead of
-passing pages back and forth), returns
+reply, evicts them for its reserve before it asks at all while the daemon has
+nothing to spare and keeps no floor beside its cache (its engine's allocations
+take their own cached blocks first, ``KVPool.scarce_free_blocks``), so tenants
+whose caches fill the device keep what they hold instead of passing pages back
+and forth), returns
 excess spare pages, retries unconfirmed returns, and tells the daemon
 ``used_bytes``, whether the pool can be quiesced and whether the engine
 stepped, when they changed (used bytes and activity at most every ``REPORT_MIN_S``:
@@ -141,11 +143,11 @@ class PoolAgent:
                     return
                 self._guarded(self._handle, notice)
             if not self._stopping and self.core.recycles():  # before any grow: no round trip for these
-                self._guarded(self._blocks_from_cache)
+                self._guarded(self._blocks_from_cache, self.core.reserve_blocks)
             if not self._stopping:
                 self._guarded(self._housekeep)
             if not self._stopping and self._floor_refused:
-                self._guarded(self._blocks_from_cache)
+                self._guarded(self._blocks_from_cache, max(self.core.reserve_blocks, self.core.ahead_blocks))
 
     def _wait_s(self) -> float:
         """Until the next heartbeat, or the next grow-ahead try or held-back report when one is
@@ -261,17 +263,18 @@ class PoolAgent:
             self.floor_backoff.note(granted, now)
             self._floor_refused = not granted
 
-    def _blocks_from_cache(self) -> None:
+    def _blocks_from_cache(self, wanted: int) -> None:
         """Evict the engine's cache-only blocks (its reclaim hook, without the lock: the hook
-        takes the engine's locks) until the reserve and the floor are free, as far as the
-        cache allows: before the grows while the pool recycles (``PoolCore.recycles``: it
-        holds its fair share and the daemon has nothing to spare), and after a refused floor
-        grow (once per refusal, so at most as often as the floor's back-off allows). Only
-        while the engine works (it stepped within ``HEARTBEAT_S``): an idle engine's cache
-        stays, and its next allocation evicts what it needs (``BlockManager``)."""
+        takes the engine's locks) until ``wanted`` blocks are free, as far as the cache
+        allows: the reserve before the grows while the pool recycles (``PoolCore.recycles``:
+        it holds its fair share and the daemon has nothing to spare; its floor stays cached,
+        since the engine's allocations then evict their own cached blocks first, without a
+        round trip), and the floor after a refused floor grow (once per refusal, so at most
+        as often as the floor's back-off allows). Only while the engine works (it stepped
+        within ``HEARTBEAT_S``): an idle engine's cache stays, and its next allocation
+        evicts what it needs (``BlockManager``). Cost: one hook call, O(blocks evicted)."""
         self._floor_refused = False
         core, hook = self.core, self.core.reclaim_hook
-        wanted = max(core.reserve_blocks, core.ahead_blocks)
         missing = min(wanted, core.allocator.num_blocks) - core.allocator.num_free
         working = core.active or time.monotonic() - self._active_at < HEARTBEAT_S
         if hook is not None and missing > 0 and working and core.state is PoolState.ACTIVE:
