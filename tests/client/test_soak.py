@@ -76,18 +76,33 @@ class Soak:
             self.results.append(done[-1])
 
     def sleep(self, name: str, mode: str) -> None:
-        """Sleep ``name`` once it is registered and attached (after a restart it re-registers first)."""
+        """Sleep ``name`` once it is registered and attached (after a restart it re-registers first).
+
+        On a timeout the assertion says what the daemon last answered, how it sees the
+        tenant, and the tail of the tenant's log, so a rare failure explains itself."""
+        errors: list[KVDaemonError] = []
         with KVClient(self.root) as admin:
 
             def slept() -> bool:
                 try:
                     admin.sleep(name, mode)
-                except (UnknownTenant, Conflict):  # not back yet, or not attached yet
+                except (UnknownTenant, Conflict) as exc:  # not back yet, or not attached yet
+                    errors.append(exc)
                     return False
                 return True
 
-            wait_until(slept, 30, f"{name} could not be put to sleep")
+            try:
+                wait_until(slept, 30, f"{name} could not be put to sleep")
+            except AssertionError as exc:
+                raise AssertionError(self._why_not_asleep(admin, name, errors)) from exc
         self.sleeps += 1
+
+    def _why_not_asleep(self, admin: KVClient, name: str, errors: list[KVDaemonError]) -> str:
+        seen = [t for t in admin.status()["tenants"] if t["name"] == name]
+        kinds = sorted({f"{type(e).__name__}: {e}" for e in errors})
+        log_tail = (self.root / f"{name}.err").read_text()[-3000:]
+        return (f"{name} could not be put to sleep in 30 s ({len(errors)} refusals; kinds: {kinds}); "
+                f"the daemon sees it as {seen}; its log ends:\n{log_tail}")
 
     def monitor(self) -> None:
         """Check the daemon's accounting every 100 ms while it answers."""
