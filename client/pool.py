@@ -240,7 +240,8 @@ class KVPool:
         cache: ``PoolCore.recycles``), the blocks free here without a round trip; ``None``
         otherwise. An engine then reuses its own cached
         blocks before taking the daemon's last free pages, which are kept for real need
-        (``BlockManager``). O(1), no lock: a hint, stale by one agent step at most."""
+        (``BlockManager``). O(1), no lock: a hint, as stale as the agent's last step
+        (the refusal) or the last heartbeat reply (recycling)."""
         core = self.core
         return core.allocator.num_free if core.scarce() or core.recycles() else None
 
@@ -327,7 +328,8 @@ class KVPool:
         no other tenant for it, and does not count its refusal as a shortage.
         While the pool recycles its cache (``PoolCore.recycles``) the agent is
         not woken here: its engine's allocations evict their own cached blocks
-        first, and the agent makes the reserve from the cache at its tick.
+        first, and the agent makes the reserve from the cache at its tick (a
+        reserve the cache cannot cover is grown then, or by the allocation).
         A reserve past the limit maps up to the limit. A count outside
         ``[0, num_blocks of the pool]`` raises ``BadRequest`` (nothing
         changed). Never waits; ``0`` (the default) keeps nothing back.

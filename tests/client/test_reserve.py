@@ -375,6 +375,19 @@ def need_grows(pool: KVPool) -> list[int]:
     return asked
 
 
+def agent_passes(pool: KVPool) -> list[int]:
+    """A one-item list counting the agent's passes that ended from now on (each pass's
+    housekeeping done; the floor's eviction, if any, follows within the pass)."""
+    passes, housekeep = [0], pool.agent._housekeep
+
+    def counting() -> None:
+        housekeep()
+        passes[0] += 1
+
+    pool.agent._housekeep = counting  # type: ignore[method-assign]
+    return passes
+
+
 def told_scarce(pool: KVPool) -> bool:
     """The last heartbeat reply said the daemon has under a logical page to spare ahead of need."""
     room = pool.core.ahead_room_bytes
@@ -390,11 +403,20 @@ def test_a_pool_holding_its_fair_share_takes_its_reserve_from_its_own_cache(kvd:
     wait_until(lambda: told_scarce(pool), 10, "no heartbeat reply said the daemon has nothing to spare")
     assert pool.mapped_bytes == pool.core.fair_bytes
     asked = need_grows(pool)
+    passes = agent_passes(pool)
+    nudges: list[int] = []
+    nudge = pool.agent.nudge
+    pool.agent.nudge = lambda: nudges.append(1)  # type: ignore[method-assign]
     pool.note_activity()
     assert pool.scarce_free_blocks() == 0, "its engine's allocations should take its own cache first"
     pool.keep_free(2 * BLOCKS_PER_PAGE, 0, 3 * BLOCKS_PER_PAGE)  # the next step's need, and a floor
-    wait_until(lambda: pool.num_free_blocks >= 2 * BLOCKS_PER_PAGE, 10, "the cache was not evicted for the reserve")
-    time.sleep(0.2)  # an agent that also made the floor from the cache would have by now
+    assert nudges == [], "keep_free woke the agent of a pool that recycles its cache"
+    pool.agent.nudge = nudge  # type: ignore[method-assign]
+    wait_until(lambda: pool.note_activity() or pool.num_free_blocks >= 2 * BLOCKS_PER_PAGE, 10,
+               "the cache was not evicted for the reserve")  # the engine kept busy meanwhile
+    done = passes[0]
+    pool.agent.nudge()
+    wait_until(lambda: passes[0] >= done + 2, 10, "the agent made no more passes")  # the reserve's pass ended
     assert asked == [], "a pool holding its fair share asked the daemon instead of its own cache"
     assert evicted == [2 * BLOCKS_PER_PAGE], "the floor stays in the cache, evicted when an allocation needs it"
     assert pool.num_free_blocks == 2 * BLOCKS_PER_PAGE and mapped(client, "a") == 3 * LOGICAL
