@@ -72,11 +72,15 @@ class GrantChannel:
 
         ``NoReply`` (carrying ``request_id``) after ``timeout_s``; with ``keep``
         the request stays outstanding (see ``collect``), else its reply is
-        dropped when it comes. ``DaemonUnreachable`` once ``alive()`` fails.
+        dropped when it comes. ``DaemonUnreachable`` once ``alive()`` fails, or
+        when the socket is closed under the send (the daemon died or stopped).
         """
         with self._lock:
             request_id = next(self._ids)
-            send_frame(self._sock, {"id": request_id, "op": op, "args": args})
+            try:
+                send_frame(self._sock, {"id": request_id, "op": op, "args": args})
+            except OSError as exc:  # a broken pipe or reset: the daemon's end is gone
+                raise DaemonUnreachable(f"the grant channel closed: {exc}") from exc
             found = self._read_until(request_id, time.monotonic() + timeout_s)
             if found is None:
                 if keep:

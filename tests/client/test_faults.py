@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted
+from kvdaemon.client.grant_channel import GrantChannel
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.daemon import swap
 from kvdaemon.errors import Conflict, DaemonUnreachable, NoReply
@@ -383,3 +385,15 @@ def test_a_pool_whose_daemon_died_after_refusing_it_does_not_spin(
         assert len(attempts) <= 3, f"{len(attempts)} re-registration attempts in 2 s"
         pool.close()
         hog.close()
+
+
+def test_a_grant_request_on_a_channel_the_daemon_closed_raises_unreachable() -> None:
+    """A daemon that stops between two grows closes the grant socket: the next send hits a
+    broken pipe, which must reach the engine as ``DaemonUnreachable`` (it serves from what
+    is mapped), never as a bare ``OSError`` that ends the tenant's process (the soak's t5)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    theirs.close()
+    channel = GrantChannel(ours, alive=lambda: True)
+    with pytest.raises(DaemonUnreachable, match="grant channel closed"):
+        channel.call("grow", {"logical_pages": [1]}, timeout_s=1.0)
+    channel.close()
