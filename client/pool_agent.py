@@ -22,8 +22,8 @@ refused while the daemon has nothing free for it, then tried again after
 twice as late up to ``GROW_RETRY_MAX_S``; the reserve at once on a ``free``
 notice, and a refused floor never holds the reserve back; while the daemon
 has no memory to spare for the floor, the engine's own cache-only blocks are
-evicted for it while the engine works (unless the pool recycles, below), so its allocations still find blocks
-without a round trip; a pool holding its fair share, told in every heartbeat
+evicted for it while the engine works (unless the pool recycles, below), so
+its allocations still find blocks without a round trip; a pool holding its fair share, told in every heartbeat
 reply, evicts them for its reserve before it asks at all while the daemon has
 nothing to spare and keeps no floor beside its cache (its engine's allocations
 take their own cached blocks first, ``KVPool.scarce_free_blocks``), so tenants

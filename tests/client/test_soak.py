@@ -71,38 +71,40 @@ class Soak:
             out, _ = proc.communicate(timeout=120)
             lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
             done = [line for line in lines if line.get("event") == "done"]
-            err = (self.root / f"{name}.err").read_text()[-3000:]
-            assert done, f"worker {name} ended without its counts (status {proc.returncode}):\n{err}"
+            assert done, f"worker {name} ended without its counts (status {proc.returncode}):\n{self.log_tail(name)}"
             self.results.append(done[-1])
+
+    def log_tail(self, name: str) -> str:
+        """The last 3,000 characters a worker wrote to its stderr."""
+        return (self.root / f"{name}.err").read_text()[-3000:]
 
     def sleep(self, name: str, mode: str) -> None:
         """Sleep ``name`` once it is registered and attached (after a restart it re-registers first).
 
         On a timeout the assertion says what the daemon last answered, how it sees the
         tenant, and the tail of the tenant's log, so a rare failure explains itself."""
-        errors: list[KVDaemonError] = []
+        refusals: dict[str, int] = {}  # each distinct refusal, and how often it came
         with KVClient(self.root) as admin:
 
             def slept() -> bool:
                 try:
                     admin.sleep(name, mode)
                 except (UnknownTenant, Conflict) as exc:  # not back yet, or not attached yet
-                    errors.append(exc)
+                    kind = f"{type(exc).__name__}: {exc}"
+                    refusals[kind] = refusals.get(kind, 0) + 1
                     return False
                 return True
 
             try:
                 wait_until(slept, 30, f"{name} could not be put to sleep")
             except AssertionError as exc:
-                raise AssertionError(self._why_not_asleep(admin, name, errors)) from exc
+                raise AssertionError(self._why_not_asleep(admin, name, refusals)) from exc
         self.sleeps += 1
 
-    def _why_not_asleep(self, admin: KVClient, name: str, errors: list[KVDaemonError]) -> str:
+    def _why_not_asleep(self, admin: KVClient, name: str, refusals: dict[str, int]) -> str:
         seen = [t for t in admin.status()["tenants"] if t["name"] == name]
-        kinds = sorted({f"{type(e).__name__}: {e}" for e in errors})
-        log_tail = (self.root / f"{name}.err").read_text()[-3000:]
-        return (f"{name} could not be put to sleep in 30 s ({len(errors)} refusals; kinds: {kinds}); "
-                f"the daemon sees it as {seen}; its log ends:\n{log_tail}")
+        return (f"{name} could not be put to sleep in 30 s ({sum(refusals.values())} refusals; kinds: "
+                f"{sorted(refusals)}); the daemon sees it as {seen}; its log ends:\n{self.log_tail(name)}")
 
     def monitor(self) -> None:
         """Check the daemon's accounting every 100 ms while it answers."""
