@@ -329,7 +329,9 @@ class KVPool:
         While the pool recycles its cache (``PoolCore.recycles``) the agent is
         not woken here: its engine's allocations evict their own cached blocks
         first, and the agent makes the reserve from the cache at its tick (a
-        reserve the cache cannot cover is grown then, or by the allocation).
+        reserve the cache cannot cover is grown by the allocation that needs it).
+        The floor is mapped only once the reserve is free, so only then does a
+        floor wake the agent.
         A reserve past the limit maps up to the limit. A count outside
         ``[0, num_blocks of the pool]`` raises ``BadRequest`` (nothing
         changed). Never waits; ``0`` (the default) keeps nothing back.
@@ -344,7 +346,8 @@ class KVPool:
                 )
         core.reserve_blocks, core.spare_blocks, core.ahead_blocks = num_blocks, num_spare_blocks, num_ahead_blocks
         free, agent = core.allocator.num_free, self.agent
-        due = (free < num_blocks and agent.grow_due()) or (free < num_ahead_blocks and agent.grow_due(floor=True))
+        due = (free < num_blocks and agent.grow_due()) or (  # the floor only once the reserve is free
+            num_blocks <= free < num_ahead_blocks and agent.grow_due(floor=True))
         if due and core.headroom_pages() > 0 and not core.recycles():
             agent.nudge()  # (at its limit there is nothing to map; after a refusal the agent waits)
 

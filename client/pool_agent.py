@@ -25,7 +25,8 @@ has no memory to spare for the floor, the engine's own cache-only blocks are
 evicted for it while the engine works (unless the pool recycles, below), so
 its allocations still find blocks without a round trip; a pool holding its fair share, told in every heartbeat
 reply, evicts them for its reserve before it asks at all while the daemon has
-nothing to spare and keeps no floor beside its cache (its engine's allocations
+nothing to spare, asks for no reserve the cache cannot cover (its engine's allocation does,
+when it needs the blocks), and keeps no floor beside its cache (its engine's allocations
 take their own cached blocks first, ``KVPool.scarce_free_blocks``), so tenants
 whose caches fill the device keep what they hold instead of passing pages back
 and forth), returns
@@ -249,13 +250,16 @@ class PoolAgent:
     def _grow_ahead(self) -> None:
         """The reserve, then (once it is mapped) the floor, each unless backing off (lock held);
         a refusal backs off, whatever wakes the agent meanwhile (``keep_free``, most notices).
-        No floor while the pool recycles its cache (``PoolCore.recycles``: the daemon has
-        nothing to spare, as its last heartbeat reply or a refusal said). A floor found mapped
+        Neither while the pool recycles its cache (``PoolCore.recycles``: the daemon has
+        nothing to spare, as its last heartbeat reply or a refusal said): the reserve came
+        from the cache first, and what the cache cannot cover the engine's own allocation
+        asks for when it needs it (a grow here would be refused, and would have the daemon
+        ask the other tenants, busy as this one, for pages at every back-off's end). A floor found mapped
         asks nothing and leaves the back-off as it is: only a grant ends it, so a floor that
         dips at every step of a busy engine asks a daemon short of memory at most as often as
         the back-off allows."""
         core, now = self.core, time.monotonic()
-        if self.reserve_backoff.due(now):
+        if self.reserve_backoff.due(now) and not core.recycles():
             self.reserve_backoff.note(core.grow_reserve(), now)
         wants_floor = core.reserve_mapped() and not core.floor_mapped()
         if wants_floor and self.floor_backoff.due(now) and not core.recycles():

@@ -43,7 +43,10 @@ Pages back (``tell_free``, after every request and tick): a tenant refused
 pages for its real need in the last ``STARVED_S`` is sent one ``free`` notice
 once the grow it was refused would fit in the pages free for it
 (``Shares.free_for``), so it asks again at once instead of on its back-off;
-another refusal arms it again.
+another refusal arms it again. Free pages are promised once: tenants are told
+longest refused first, and each is told only of what the ones before it were
+not promised (their refused grows), so several tenants are not sent after the
+same pages, all but one to be refused again.
 
 Cost: O(tenants) per parked grow per retry, and per ``tell_free``.
 """
@@ -154,19 +157,17 @@ class Reclaimer:
             self.num_asks_ahead += 1
 
     def tell_free(self, now: float) -> None:
-        """Tell each short tenant, once per refusal, that pages are free for it again."""
+        """Tell each short tenant, once per refusal, that pages are free for it again (pages
+        promised to one, longest refused first, are not told to the next)."""
         num_free = self.pages.num_free
-        if not num_free:
-            return
-        for t in self.tenants:
-            if t.told_free_at >= t.starved_at or not self.shares.is_short(t, now):
-                continue
-            if t.state is not TenantState.ACTIVE or not t.leased:
-                continue
+        waiting = [t for t in self.tenants if t.told_free_at < t.starved_at and self.shares.is_short(t, now)
+                   and t.state is TenantState.ACTIVE and t.leased]
+        for t in sorted(waiting, key=lambda t: t.starved_at):  # the longest refused first
             free = self.shares.free_for(t, num_free, now)
-            if free >= t.starved_pages:
+            if num_free and free >= t.starved_pages:
                 t.told_free_at = now
                 notify(self.leases, t.tenant_id, FreeNotice(free))
+                num_free -= t.starved_pages  # promised: the next tenant is told only of the rest
 
     def _victims(self, requester: Tenant | None, now: float) -> list[tuple[Tenant, int]]:
         """Other active tenants with pages above ``min_bytes`` (a tenant short itself,

@@ -459,3 +459,50 @@ def test_a_floor_found_mapped_leaves_its_back_off_to_a_daemon_with_nothing_to_sp
     pool.close()
     hog.free(held)
     hog.close()
+
+
+def test_a_recycling_pool_with_nothing_cached_leaves_the_grow_to_its_engines_allocation(kvd: RunningDaemon) -> None:
+    """The daemon has nothing to spare and the cache cannot cover the reserve: the agent does not
+    ask for it (a refusal, and the other tenants asked for pages, at every back-off's end); the
+    engine's own allocation asks once it needs the blocks."""
+    client = kvd.client()
+    hog, held = occupy(client, 5)
+    pool, cached, evicted = cache_pool(client, 3)  # the daemon is full; "a" holds its fair share
+    pool.grow_wait_s = 0
+    pool.reclaim_hook = lambda num_blocks: evicted.append(num_blocks) or 0  # every block is live
+    wait_until(lambda: told_scarce(pool), 10, "no heartbeat reply said the daemon has nothing to spare")
+    asked, passes = need_grows(pool), agent_passes(pool)
+    pool.note_activity()
+    pool.keep_free(2 * BLOCKS_PER_PAGE)
+    done = passes[0]
+    pool.agent.nudge()
+    wait_until(lambda: pool.note_activity() or passes[0] >= done + 2, 10, "the agent made no more passes")
+    assert evicted and asked == [], "the agent asked the daemon for the reserve of a pool that recycles"
+    with pytest.raises(PoolExhausted):
+        pool.alloc(1)
+    assert asked == [1], "the engine's allocation did not ask for its block's page"
+    pool.free(cached)
+    pool.close()
+    hog.free(held)
+    hog.close()
+
+
+def test_keep_free_does_not_wake_the_agent_for_the_floor_while_the_reserve_backs_off(kvd: RunningDaemon) -> None:
+    """The agent maps the floor only once the reserve is free: a nudge for the floor while the
+    reserve waits out a refusal would wake it at every step for nothing."""
+    client = kvd.client()
+    hog, held = occupy(client, 7)
+    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    live = pool.alloc(BLOCKS_PER_PAGE)  # the daemon is full; "a" below its share
+    pool.agent.reserve_backoff.at = time.monotonic() + 60  # the reserve was just refused
+    nudges: list[int] = []
+    pool.agent.nudge = lambda: nudges.append(1)  # type: ignore[method-assign]
+    pool.keep_free(BLOCKS_PER_PAGE, 0, 2 * BLOCKS_PER_PAGE)
+    assert nudges == [], "keep_free woke the agent for a floor it may not map yet"
+    pool.agent.reserve_backoff.reset()
+    pool.keep_free(BLOCKS_PER_PAGE, 0, 2 * BLOCKS_PER_PAGE)
+    assert nudges == [1], "keep_free did not wake the agent for a reserve it may grow"
+    pool.free(live)
+    pool.close()
+    hog.free(held)
+    hog.close()
