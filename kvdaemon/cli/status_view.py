@@ -5,7 +5,8 @@ Takes the status object (what ``KVClient.status()`` returns; README "status
 uptime, backend, device; the pool: capacity, free, page, tenants), one table
 row per tenant (state in words, sizes in at most six characters), then a note
 per tenant that needs attention: over its limit and what it still owes, grows
-refused, an active tenant that cannot be slept; and the operator's policies
+refused, short of memory now beside its fair share, an active tenant that
+cannot be slept; and the operator's policies
 (``kvdaemon limit``, the config file's ``[tenants]``), with the names not
 registered yet. Pure apart from writing to the given console; O(tenants).
 """
@@ -115,6 +116,9 @@ def tenant_notes(tenant: dict[str, Any]) -> list[str]:
     refused = int(tenant.get("refused_grows", 0))
     if refused:
         notes.append(f"{refused} grow(s) refused")
+    if tenant.get("short") is True and tenant.get("fair_bytes") is not None:
+        notes.append(f"short of memory now ({format_bytes(int(tenant['mapped_bytes']))} held, "
+                     f"fair share {format_bytes(int(tenant['fair_bytes']))})")
     if cannot_sleep(tenant):
         notes.append("cannot be slept (no quiesce hook)")
     return notes

@@ -362,7 +362,7 @@ class Service:
     def status(self) -> dict[str, Any]:
         """The object of ``status --json`` (DESIGN.md §13), plus daemon and detail fields."""
         now = self.clock()
-        tenants = [t.status(now) for t in self.tenants]
+        tenants = [self._tenant_status(t, now) for t in self.tenants]
         return {
             "backend": self.backend.name,
             "device": self.backend.device,
@@ -378,6 +378,13 @@ class Service:
             "tenants": tenants,
             "policies": self.policies.rows(t["name"] for t in tenants),
         }
+
+    def _tenant_status(self, tenant: Tenant, now: float) -> dict[str, object]:
+        """A tenant's row, with its fair share and whether it is short (``shares``)."""
+        row = tenant.status(now)
+        row["fair_bytes"] = self.shares.fair_pages(tenant) * self.pages.page_size_bytes
+        row["short"] = self.shares.is_short(tenant, now)
+        return row
 
     def check_invariants(self) -> None:
         """Assert DESIGN.md §4 invariants 1-3 over the device pages and every tenant (the

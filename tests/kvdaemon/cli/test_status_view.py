@@ -103,6 +103,13 @@ def test_a_tenant_that_needs_attention_gets_a_note() -> None:
     assert status_view.owed_bytes(make_tenant(max_bytes=None)) == 0
 
 
+def test_a_tenant_short_of_memory_now_is_noted_with_its_fair_share() -> None:
+    short = make_tenant(name="short", short=True, fair_bytes=1024 * MiB)
+    calm = make_tenant(name="calm", short=False, fair_bytes=1024 * MiB)
+    lines = rendered(make_status([calm, short])).splitlines()
+    assert lines[5:] == ["short: short of memory now (1.50 GiB held, fair share 1.00 GiB)"]
+
+
 def test_policies_are_listed_with_their_sources() -> None:
     policies = [
         {"name": "llama-a", "registered": True, "max": "40%", "min": None, "weight": None,

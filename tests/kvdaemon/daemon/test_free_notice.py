@@ -9,7 +9,7 @@ import pytest
 from kvdaemon.daemon.shares import STARVED_S
 
 from tests.kvdaemon.daemon.test_reclaim_share import tokens
-from tests.kvdaemon.daemon.test_service import Harness
+from tests.kvdaemon.daemon.test_service import PAGE_BYTES, Harness
 
 
 @pytest.fixture
@@ -76,3 +76,13 @@ def test_free_pages_are_promised_once_longest_refused_first(h: Harness) -> None:
     assert frees(h) == [(ids["a"], 2)], "only the longest refused is sent after the pages"
     h.ok("shrink", **h.auth("hog", tok["hog"], logical_pages=[4]))
     assert [tid for tid, _ in frees(h)] == [ids["a"], ids["b"]], "then the next, for the pages not promised"
+
+
+def test_status_tells_each_tenants_fair_share_and_whether_it_is_short(h: Harness) -> None:
+    _, tok = tokens(h, {"hog": 6, "a": 2})  # 16 pages, 1 the low water: 15 halved, in logical pages of 2
+    assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[2], wait_s=0)) == "NO_MEMORY"
+    rows = {row["name"]: row for row in h.ok("status")["tenants"]}
+    assert [rows[name]["fair_bytes"] for name in ("hog", "a")] == [6 * PAGE_BYTES] * 2
+    assert (rows["a"]["short"], rows["hog"]["short"]) == (True, False)
+    h.tick(STARVED_S)
+    assert not any(row["short"] for row in h.ok("status")["tenants"]), "a refusal older than STARVED_S"
