@@ -23,6 +23,12 @@ Grows *ahead of need* (``free_for_ahead``: a pool mapping its engine's
 speculative floor) take only what is free above ``LOW_WATER`` of the pages
 after both rules: speculation never eats the free pages a burst of real need
 finds first, and never takes what ``ask_ahead`` asked other tenants to give.
+Except while the device is **saturated** (``saturated``): every active tenant
+is busy and holds its fair share, so no tenant is left whose burst the low
+water would serve, and pages kept free would only shrink the batches of
+engines that all want more; then nothing is kept free (ahead of need may take
+every free page, and ``ask_ahead`` asks nobody) until one of them idles or
+falls below its fair share.
 
 A tenant's **fair share** (``fair_pages``) is its part of the pages tenants
 may fill while ``LOW_WATER`` of them stay free, filled like water: a tenant
@@ -40,6 +46,10 @@ a grow ahead of need could take now (``free_for_ahead``) in every heartbeat
 reply; one holding at least its fair share while the daemon has nothing to
 spare takes new blocks from its own cache (``PoolAgent``) instead of growing.
 
+A tenant is **busy** while its engine stepped within ``BUSY_S`` (its
+heartbeats say so): reclaim asks a busy tenant, for a requester that holds its
+own fair share, only for what it holds past its fair share (``Reclaimer``).
+
 Invariants: a tenant within its share is never refused for another's
 shortage; nothing here maps or unmaps. Cost: O(tenants) per call.
 """
@@ -51,6 +61,7 @@ from collections.abc import Iterable
 from kvdaemon.daemon.tenant import Tenant, TenantState
 
 STARVED_S = 1.0  # a tenant refused pages this recently is short
+BUSY_S = 2.0  # a tenant whose heartbeat said its engine stepped this recently is busy (two heartbeats)
 LOW_WATER = 0.1  # the fraction of the pages kept free: asked back from idle holders, never speculated on
 
 
@@ -108,6 +119,14 @@ class Shares:
     def is_short(self, tenant: Tenant, now: float) -> bool:
         return now - tenant.starved_at < STARVED_S
 
+    def is_busy(self, tenant: Tenant, now: float) -> bool:
+        """Its engine stepped within ``BUSY_S`` (as its heartbeats said)."""
+        return now - tenant.stepped_at < BUSY_S
+
+    def holds_fair(self, tenant: Tenant) -> bool:
+        """It holds at least its fair share."""
+        return held_pages(tenant) >= self.fair_pages(tenant)
+
     def pages_past_share(self, tenant: Tenant, now: float) -> int | None:
         """For a short tenant, the physical pages it holds past its share; ``None`` when not short."""
         if not self.is_short(tenant, now):
@@ -130,8 +149,16 @@ class Shares:
 
     def free_for_ahead(self, tenant: Tenant, num_free: int, now: float) -> int:
         """Free physical pages a grow *ahead of need* may take: ``free_for`` less the
-        ``LOW_WATER`` pages kept free for real need."""
-        return max(0, self.free_for(tenant, num_free, now) - self.low_water_pages)
+        ``LOW_WATER`` pages kept free for real need (none while ``saturated``)."""
+        kept = 0 if self.saturated(now) else self.low_water_pages
+        return max(0, self.free_for(tenant, num_free, now) - kept)
+
+    def saturated(self, now: float) -> bool:
+        """Every active tenant, two or more, is busy and holds at least its fair share: no
+        tenant is left for whom pages kept free would start a burst sooner, and pages kept
+        free would only make some engine's batches smaller. O(tenants^2) at worst."""
+        active = self._active()
+        return len(active) > 1 and all(self.is_busy(t, now) and self.holds_fair(t) for t in active)
 
     @property
     def low_water_pages(self) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvdaemon.daemon.reclaim import ASK_AHEAD_S
-from kvdaemon.daemon.shares import LOW_WATER
+from kvdaemon.daemon.shares import BUSY_S, LOW_WATER
 
 from tests.kvdaemon.daemon.test_service import NUM_PAGES, PAGE_BYTES, Harness
 
@@ -113,3 +113,28 @@ def test_the_heartbeat_tells_what_a_grow_ahead_of_need_could_take(h: Harness) ->
     assert heartbeat(h, a, "a")["ahead_bytes"] == (NUM_PAGES - int(NUM_PAGES * LOW_WATER)) * PAGE_BYTES
     fill(h, {"b": 7})  # 2 pages free, 1 of them the low water
     assert heartbeat(h, a, "a")["ahead_bytes"] == 1 * PAGE_BYTES
+
+
+def step(h: Harness, *names: str) -> dict[str, object]:
+    """Heartbeats saying each named tenant's engine stepped (busy for ``BUSY_S``): the last reply."""
+    reply: dict[str, object] = {}
+    for name in names:
+        reply = h.ok("heartbeat", **h.auth(name, h.service.tenants.named(name).token, active=True))
+    return reply
+
+
+def test_a_saturated_device_asks_nobody_ahead_of_need_until_a_tenant_idles(h: Harness) -> None:
+    ids = fill(h, {"a": 5, "b": 3})  # 16 of 16 pages: a 10, b 6, fair shares 6 each
+    step(h, "a", "b")
+    h.tick(0.01)
+    assert reclaims(h) == [], "every tenant busy at its fair share: pages kept free would serve nobody"
+    h.tick(BUSY_S)
+    assert reclaims(h) == [(ids["a"], 1)], "both idle: the low water is kept again"
+
+
+def test_a_saturated_device_lets_a_grow_ahead_of_need_take_the_low_water(h: Harness) -> None:
+    fill(h, {"a": 4, "b": 3})  # 14 of 16 pages: both at or past their fair shares of 6
+    assert step(h, "a", "b")["ahead_bytes"] == 2 * PAGE_BYTES, "saturated: every free page"
+    h.tick(BUSY_S)
+    reg = {"token": h.service.tenants.named("b").token}
+    assert heartbeat(h, reg, "b")["ahead_bytes"] == (2 - int(NUM_PAGES * LOW_WATER)) * PAGE_BYTES

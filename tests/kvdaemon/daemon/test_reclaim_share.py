@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvdaemon.daemon.shares import STARVED_S
+from kvdaemon.daemon.shares import BUSY_S, STARVED_S
 
 from tests.kvdaemon.daemon.test_ask_ahead import reclaims
 from tests.kvdaemon.daemon.test_service import Harness
@@ -82,3 +82,34 @@ def test_a_tenant_within_its_share_is_never_refused_for_another(h: Harness) -> N
     h.ok("grow", **h.auth("a", tok["a"], logical_pages=[2, 3], wait_s=0))  # up to a's own share
     assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[4], wait_s=0)) == "NO_MEMORY"
     h.ok("grow", **h.auth("b", tok["b"], logical_pages=[2, 3], wait_s=0))
+
+
+def stepped(h: Harness, name: str, token: str) -> None:
+    """A heartbeat saying ``name``'s engine stepped: busy for ``BUSY_S``."""
+    h.ok("heartbeat", **h.auth(name, token, active=True))
+
+
+def test_a_busy_tenant_keeps_its_fair_share_from_a_requester_holding_its_own(h: Harness) -> None:
+    ids, tok = tokens(h, {"a": 5, "b": 3})  # fair shares: 15 of 16 pages halved, in logical pages: 6
+    stepped(h, "b", tok["b"])
+    refused_grow(h, "a", tok["a"], 5)
+    assert [r for r in reclaims(h) if r[0] == ids["b"]] == [], "b, busy within its fair share, was asked"
+    h.tick(BUSY_S)
+    refused_grow(h, "a", tok["a"], 5)
+    assert (ids["b"], 1) in reclaims(h), "b, idle, keeps nothing from a refused grow"
+
+
+def test_a_busy_tenant_past_its_fair_share_is_asked_for_the_excess(h: Harness) -> None:
+    ids, tok = tokens(h, {"a": 4, "b": 4})  # 8 physical pages each: 2 past the fair share of 6
+    stepped(h, "b", tok["b"])
+    h.tick(STARVED_S)
+    refused_grow(h, "a", tok["a"], 4)
+    assert reclaims(h)[-1] == (ids["b"], 1)
+
+
+def test_a_requester_below_its_fair_share_is_served_from_a_busy_tenant(h: Harness) -> None:
+    ids, tok = tokens(h, {"a": 2, "b": 6})  # a: 4 physical pages, its fair share is 6
+    stepped(h, "b", tok["b"])
+    code = h.error("grow", **h.auth("a", tok["a"], logical_pages=[2, 3, 4, 5], wait_s=0))
+    assert code == "NO_MEMORY"
+    assert reclaims(h)[-1] == (ids["b"], 4), "b was asked only past its fair share (3) by a requester below its own"
