@@ -17,7 +17,7 @@ the daemon:
 
 Ahead of need (``ask_ahead``, each tick): while fewer than ``shares.LOW_WATER`` of
 the pages are free, no grow is parked and the device is not saturated (every
-tenant busy and holding its fair share: ``Shares.saturated``), the daemon asks the tenants holding
+tenant short and holding its fair share: ``Shares.saturated``), the daemon asks the tenants holding
 the most reclaimable pages past their fair share (``Shares.pages_past_fair``;
 per unit of weight) for what is missing, at most once per ``ASK_AHEAD_S``; a
 tenant within its fair share is not asked (were every tenant within it, the

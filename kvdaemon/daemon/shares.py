@@ -24,11 +24,13 @@ speculative floor) take only what is free above ``LOW_WATER`` of the pages
 after both rules: speculation never eats the free pages a burst of real need
 finds first, and never takes what ``ask_ahead`` asked other tenants to give.
 Except while the device is **saturated** (``saturated``): every active tenant
-is busy and holds its fair share, so no tenant is left whose burst the low
+is short and holds its fair share, so no tenant is left whose burst the low
 water would serve, and pages kept free would only shrink the batches of
 engines that all want more; then nothing is kept free (ahead of need may take
-every free page, and ``ask_ahead`` asks nobody) until one of them idles or
-falls below its fair share.
+every free page, and ``ask_ahead`` asks nobody) until one of them goes a
+``STARVED_S`` without a refusal or falls below its fair share. (Busy is not
+enough: tenants at a base load beside one tenant's burst are busy, and the
+low water is what that burst finds free.)
 
 A tenant's **fair share** (``fair_pages``) is its part of the pages tenants
 may fill while ``LOW_WATER`` of them stay free, filled like water: a tenant
@@ -154,11 +156,12 @@ class Shares:
         return max(0, self.free_for(tenant, num_free, now) - kept)
 
     def saturated(self, now: float) -> bool:
-        """Every active tenant, two or more, is busy and holds at least its fair share: no
-        tenant is left for whom pages kept free would start a burst sooner, and pages kept
-        free would only make some engine's batches smaller. O(tenants^2) at worst."""
+        """Every active tenant, two or more, is short (a grow for its real need refused within
+        ``STARVED_S``) and holds at least its fair share: no tenant is left for whom pages
+        kept free would start a burst sooner, and pages kept free would only make the
+        batches of engines that all want more smaller. O(tenants^2) at worst."""
         active = self._active()
-        return len(active) > 1 and all(self.is_busy(t, now) and self.holds_fair(t) for t in active)
+        return len(active) > 1 and all(self.is_short(t, now) and self.holds_fair(t) for t in active)
 
     @property
     def low_water_pages(self) -> int:
