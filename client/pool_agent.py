@@ -9,7 +9,8 @@ pool's lock only as long as each answer takes:
   emptied; what is still short of an urgent ask is *owed* and goes back as
   blocks are freed (the engine admits no new request into owed pages);
 - ``free``: pages a refused grow wanted are free again: the back-off ends, the
-  engine's own grows may ask at once, and the reserve is probed now;
+  engine's own grows may ask at once, and the reserve is probed now (a pool that
+  recycles its cache leaves that to its engine's next allocation);
 - ``sleep`` / ``wake``: see ``pool_sleep``; ``limit``: the pool's known limit;
 - ``revoked``: every page is unmapped here and the pool ends (``REVOKED``);
 - ``shutdown``: logged; the lease's end follows.

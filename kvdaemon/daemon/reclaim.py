@@ -17,7 +17,8 @@ the daemon:
 
 Ahead of need (``ask_ahead``, each tick): while fewer than ``shares.LOW_WATER`` of
 the pages are free, no grow is parked and the device is not saturated (every
-tenant short and holding its fair share: ``Shares.saturated``), the daemon asks the tenants holding
+active tenant, two or more, short and holding its fair share:
+``Shares.saturated``), the daemon asks the tenants holding
 the most reclaimable pages past their fair share (``Shares.pages_past_fair``;
 per unit of weight) for what is missing, at most once per ``ASK_AHEAD_S``; a
 tenant within its fair share is not asked (were every tenant within it, the
@@ -41,7 +42,8 @@ within ``shares.BUSY_S``) is asked by a requester that holds its own fair share
 only for what it holds past its fair share: pages taken from a working engine
 are pages it owes, so it admits fewer requests until they drain, and the
 requester, fed already, would only trade them back on its next refusal; a
-requester below its fair share, and an idle victim, are served as before. Nothing here takes a page from a
+requester below its fair share may take from it, besides, at most what it lacks
+of its own fair share (however large its grow); an idle victim gives as before. Nothing here takes a page from a
 tenant: tenants give pages back themselves, or sleep. Logical page 0 of a
 tenant is never counted as reclaimable (pools keep it mapped).
 
@@ -54,7 +56,8 @@ longest refused first, and each is told only of what the ones before it were
 not promised (their refused grows), so several tenants are not sent after the
 same pages, all but one to be refused again.
 
-Cost: O(tenants) per parked grow per retry, and per ``tell_free``.
+Cost: O(tenants^3) at worst per refused grow and per escalation (fair shares), O(tenants^2)
+per ``tell_free`` with pages free and a tenant waiting; tenants are few.
 """
 
 from __future__ import annotations
@@ -163,24 +166,33 @@ class Reclaimer:
             self.num_asks_ahead += 1
 
     def tell_free(self, now: float) -> None:
-        """Tell each short tenant, once per refusal, that pages are free for it again (pages
-        promised to one, longest refused first, are not told to the next)."""
+        """Tell each short tenant, once per refusal, that pages are free for it again: in one
+        pass, longest refused first, each only of what the ones told before it were not
+        promised (their refused grows). A promise lasts that pass: pages a told tenant has
+        not taken by the next pass may be told to the next one (nothing holds them for it).
+        O(tenants^2) when pages are free and someone waits, O(tenants) otherwise."""
         num_free = self.pages.num_free
+        if not num_free:
+            return
         waiting = [t for t in self.tenants if t.told_free_at < t.starved_at and self.shares.is_short(t, now)
                    and t.state is TenantState.ACTIVE and t.leased]
         for t in sorted(waiting, key=lambda t: t.starved_at):  # the longest refused first
             free = self.shares.free_for(t, num_free, now)
-            if num_free and free >= t.starved_pages:
+            if free >= t.starved_pages:
                 t.told_free_at = now
                 notify(self.leases, t.tenant_id, FreeNotice(free))
                 num_free -= t.starved_pages  # promised: the next tenant is told only of the rest
+                if num_free <= 0:
+                    return
 
     def _victims(self, requester: Tenant | None, now: float) -> list[tuple[Tenant, int]]:
         """Other active tenants with pages above ``min_bytes`` (a tenant short itself,
         ``STARVED_S``: only those past its weighted share; a busy one, for a requester
-        holding its fair share: only those past its fair share): (tenant, pages), best first."""
+        holding its fair share: only those past its fair share; for one below its own, those
+        and at most what it lacks of it): (tenant, pages), best first. O(tenants^3) at worst
+        (a fair share is O(tenants^2))."""
         found = []
-        fed = requester is not None and self.shares.holds_fair(requester)
+        owed = None if requester is None else self.shares.pages_below_fair(requester)
         for t in self.tenants:
             if t is requester or t.state is not TenantState.ACTIVE or not t.leased:
                 continue
@@ -188,8 +200,8 @@ class Reclaimer:
             past_share = self.shares.pages_past_share(t, now)  # a short tenant keeps its share
             if past_share is not None:
                 pages = min(pages, past_share)
-            elif fed and self.shares.is_busy(t, now):  # a busy one its fair share, from a fed requester
-                pages = min(pages, self.shares.pages_past_fair(t))
+            elif owed is not None and self.shares.is_busy(t, now):  # its fair share, less what the requester is owed
+                pages = min(pages, self.shares.pages_past_fair(t) + owed)
             if pages:
                 found.append((t, pages))
         found.sort(key=lambda item: item[1] / item[0].weight, reverse=True)

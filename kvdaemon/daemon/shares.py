@@ -53,7 +53,9 @@ heartbeats say so): reclaim asks a busy tenant, for a requester that holds its
 own fair share, only for what it holds past its fair share (``Reclaimer``).
 
 Invariants: a tenant within its share is never refused for another's
-shortage; nothing here maps or unmaps. Cost: O(tenants) per call.
+shortage; nothing here maps or unmaps. Cost: O(tenants) per call, but a fair
+share (``fair_pages``, O(tenants^2)) and what uses it for every tenant
+(``saturated``, O(tenants^3)); tenants are few.
 """
 
 from __future__ import annotations
@@ -125,9 +127,13 @@ class Shares:
         """Its engine stepped within ``BUSY_S`` (as its heartbeats said)."""
         return now - tenant.stepped_at < BUSY_S
 
+    def pages_below_fair(self, tenant: Tenant) -> int:
+        """Physical pages ``tenant`` lacks of its fair share (0 holding it). O(tenants^2)."""
+        return max(0, self.fair_pages(tenant) - held_pages(tenant))
+
     def holds_fair(self, tenant: Tenant) -> bool:
-        """It holds at least its fair share."""
-        return held_pages(tenant) >= self.fair_pages(tenant)
+        """It holds at least its fair share. O(tenants^2)."""
+        return self.pages_below_fair(tenant) == 0
 
     def pages_past_share(self, tenant: Tenant, now: float) -> int | None:
         """For a short tenant, the physical pages it holds past its share; ``None`` when not short."""
@@ -159,9 +165,11 @@ class Shares:
         """Every active tenant, two or more, is short (a grow for its real need refused within
         ``STARVED_S``) and holds at least its fair share: no tenant is left for whom pages
         kept free would start a burst sooner, and pages kept free would only make the
-        batches of engines that all want more smaller. O(tenants^2) at worst."""
+        batches of engines that all want more smaller. O(tenants^3) at worst, O(tenants) when
+        a tenant is not short (checked first)."""
         active = self._active()
-        return len(active) > 1 and all(self.is_short(t, now) and self.holds_fair(t) for t in active)
+        return (len(active) > 1 and all(self.is_short(t, now) for t in active)
+                and all(self.holds_fair(t) for t in active))
 
     @property
     def low_water_pages(self) -> int:

@@ -494,12 +494,12 @@ def test_keep_free_does_not_wake_the_agent_for_the_floor_while_the_reserve_backs
     hog, held = occupy(client, 7)
     pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
     live = pool.alloc(BLOCKS_PER_PAGE)  # the daemon is full; "a" below its share
-    pool.agent.reserve_backoff.at = time.monotonic() + 60  # the reserve was just refused
+    pool.agent.grow_due = lambda floor=False: floor  # type: ignore[method-assign]  # the reserve backs off
     nudges: list[int] = []
     pool.agent.nudge = lambda: nudges.append(1)  # type: ignore[method-assign]
     pool.keep_free(BLOCKS_PER_PAGE, 0, 2 * BLOCKS_PER_PAGE)
     assert nudges == [], "keep_free woke the agent for a floor it may not map yet"
-    pool.agent.reserve_backoff.reset()
+    pool.agent.grow_due = lambda floor=False: True  # type: ignore[method-assign]
     pool.keep_free(BLOCKS_PER_PAGE, 0, 2 * BLOCKS_PER_PAGE)
     assert nudges == [1], "keep_free did not wake the agent for a reserve it may grow"
     pool.free(live)

@@ -69,13 +69,13 @@ def test_pages_held_for_another_short_tenant_are_not_announced(h: Harness) -> No
 
 def test_free_pages_are_promised_once_longest_refused_first(h: Harness) -> None:
     ids, tok = tokens(h, {"hog": 6, "a": 1, "b": 1})  # every page mapped; a and b below their shares
-    assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[1], wait_s=0)) == "NO_MEMORY"
-    h.clock.advance(0.01)
     assert h.error("grow", **h.auth("b", tok["b"], logical_pages=[1], wait_s=0)) == "NO_MEMORY"
+    h.clock.advance(0.01)
+    assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[1], wait_s=0)) == "NO_MEMORY"
     h.ok("shrink", **h.auth("hog", tok["hog"], logical_pages=[5]))  # room for one of the two grows
-    assert frees(h) == [(ids["a"], 2)], "only the longest refused is sent after the pages"
+    assert frees(h) == [(ids["b"], 2)], "only the longest refused is sent after the pages"
     h.ok("shrink", **h.auth("hog", tok["hog"], logical_pages=[4]))
-    assert [tid for tid, _ in frees(h)] == [ids["a"], ids["b"]], "then the next, for the pages not promised"
+    assert [tid for tid, _ in frees(h)] == [ids["b"], ids["a"]], "then the next, for the pages not promised"
 
 
 def test_status_tells_each_tenants_fair_share_and_whether_it_is_short(h: Harness) -> None:

@@ -100,16 +100,25 @@ def test_a_busy_tenant_keeps_its_fair_share_from_a_requester_holding_its_own(h: 
 
 
 def test_a_busy_tenant_past_its_fair_share_is_asked_for_the_excess(h: Harness) -> None:
-    ids, tok = tokens(h, {"a": 4, "b": 4})  # 8 physical pages each: 2 past the fair share of 6
+    """Fair shares: 15 of 16 pages in thirds, in logical pages of 2: 4 each. a holds its own; busy b
+    holds 2 past its; idle c holds 6, 4 of them reclaimable (logical page 0 stays)."""
+    ids, tok = tokens(h, {"a": 2, "b": 3, "c": 3})
     stepped(h, "b", tok["b"])
-    h.tick(STARVED_S)
-    refused_grow(h, "a", tok["a"], 4)
-    assert reclaims(h)[-1] == (ids["b"], 1)
+    refused_grow_of(h, "a", tok["a"], [2, 3, 4])  # 6 pages short
+    assert [r for r in reclaims(h) if r[0] == ids["b"]] == [(ids["b"], 1)], "b gives only its excess"
+    assert (ids["c"], 2) in reclaims(h), "idle c gives the rest"
 
 
-def test_a_requester_below_its_fair_share_is_served_from_a_busy_tenant(h: Harness) -> None:
-    ids, tok = tokens(h, {"a": 2, "b": 6})  # a: 4 physical pages, its fair share is 6
+def test_a_requester_below_its_fair_share_takes_at_most_what_it_lacks_from_a_busy_tenant(h: Harness) -> None:
+    ids, tok = tokens(h, {"a": 2, "b": 6})  # a: 4 physical pages, its fair share is 6; b: 12, 6 past it
     stepped(h, "b", tok["b"])
-    code = h.error("grow", **h.auth("a", tok["a"], logical_pages=[2, 3, 4, 5], wait_s=0))
-    assert code == "NO_MEMORY"
-    assert reclaims(h)[-1] == (ids["b"], 4), "b was asked only past its fair share (3) by a requester below its own"
+    service = h.service
+    victims = service.reclaimer._victims(service.tenants.get(ids["a"]), service.clock())
+    assert victims == [(service.tenants.get(ids["b"]), 8)], "b's excess (6) and what a lacks (2), not all 10"
+    h.tick(BUSY_S)
+    victims = service.reclaimer._victims(service.tenants.get(ids["a"]), service.clock())
+    assert victims == [(service.tenants.get(ids["b"]), 10)], "b idle: all it holds but logical page 0"
+
+
+def refused_grow_of(h: Harness, name: str, token: str, logical_pages: list[int]) -> None:
+    assert h.error("grow", **h.auth(name, token, logical_pages=logical_pages, wait_s=0)) == "NO_MEMORY"
