@@ -42,8 +42,10 @@ within ``shares.BUSY_S``) is asked by a requester that holds its own fair share
 only for what it holds past its fair share: pages taken from a working engine
 are pages it owes, so it admits fewer requests until they drain, and the
 requester, fed already, would only trade them back on its next refusal; a
-requester below its fair share may take from it, besides, at most what it lacks
-of its own fair share (however large its grow); an idle victim gives as before. Nothing here takes a page from a
+requester below its fair share, and an idle victim, are served as before (a
+cap at what the requester lacks of its fair share was tried: a large grow whose
+capped victims cannot cover it is refused with nobody asked, and the one run
+of it read a burst's TTFT p99 of 0.286 s on a seed that reads 0.04-0.07 s). Nothing here takes a page from a
 tenant: tenants give pages back themselves, or sleep. Logical page 0 of a
 tenant is never counted as reclaimable (pools keep it mapped).
 
@@ -188,11 +190,10 @@ class Reclaimer:
     def _victims(self, requester: Tenant | None, now: float) -> list[tuple[Tenant, int]]:
         """Other active tenants with pages above ``min_bytes`` (a tenant short itself,
         ``STARVED_S``: only those past its weighted share; a busy one, for a requester
-        holding its fair share: only those past its fair share; for one below its own, those
-        and at most what it lacks of it): (tenant, pages), best first. O(tenants^3) at worst
-        (a fair share is O(tenants^2))."""
+        holding its fair share: only those past its fair share): (tenant, pages), best first.
+        O(tenants^3) at worst (a fair share is O(tenants^2))."""
         found = []
-        owed = None if requester is None else self.shares.pages_below_fair(requester)
+        fed = requester is not None and self.shares.holds_fair(requester)
         for t in self.tenants:
             if t is requester or t.state is not TenantState.ACTIVE or not t.leased:
                 continue
@@ -200,8 +201,8 @@ class Reclaimer:
             past_share = self.shares.pages_past_share(t, now)  # a short tenant keeps its share
             if past_share is not None:
                 pages = min(pages, past_share)
-            elif owed is not None and self.shares.is_busy(t, now):  # its fair share, less what the requester is owed
-                pages = min(pages, self.shares.pages_past_fair(t) + owed)
+            elif fed and self.shares.is_busy(t, now):  # a busy one its fair share, from a fed requester
+                pages = min(pages, self.shares.pages_past_fair(t))
             if pages:
                 found.append((t, pages))
         found.sort(key=lambda item: item[1] / item[0].weight, reverse=True)
