@@ -16,9 +16,7 @@ the daemon:
    is answered ``NO_MEMORY``.
 
 Ahead of need (``ask_ahead``, each tick): while fewer than ``shares.LOW_WATER`` of
-the pages are free, no grow is parked and the device is not saturated (every
-active tenant, two or more, short and holding its fair share:
-``Shares.saturated``), the daemon asks the tenants holding
+the pages are free and no grow is parked, the daemon asks the tenants holding
 the most reclaimable pages past their fair share (``Shares.pages_past_fair``;
 per unit of weight) for what is missing, at most once per ``ASK_AHEAD_S``; a
 tenant within its fair share is not asked (were every tenant within it, the
@@ -37,15 +35,7 @@ too few pages free in the last ``STARVED_S`` (``shares``) is short itself: it is
 for what it holds past its weighted share of the device (asking more would
 only move memory between busy tenants; under a steady overload every tenant
 keeps its share, like a static split, and a tenant that grows all the time
-cannot keep more than its share by it). A *busy* tenant (its engine stepped
-within ``shares.BUSY_S``) is asked by a requester that holds its own fair share
-only for what it holds past its fair share: pages taken from a working engine
-are pages it owes, so it admits fewer requests until they drain, and the
-requester, fed already, would only trade them back on its next refusal; a
-requester below its fair share, and an idle victim, are served as before (a
-cap at what the requester lacks of its fair share was tried: a large grow whose
-capped victims cannot cover it is refused with nobody asked, and the one run
-of it read a burst's TTFT p99 of 0.286 s on a seed that reads 0.04-0.07 s). Nothing here takes a page from a
+cannot keep more than its share by it). Nothing here takes a page from a
 tenant: tenants give pages back themselves, or sleep. Logical page 0 of a
 tenant is never counted as reclaimable (pools keep it mapped).
 
@@ -58,8 +48,8 @@ longest refused first, and each is told only of what the ones before it were
 not promised (their refused grows), so several tenants are not sent after the
 same pages, all but one to be refused again.
 
-Cost: O(tenants^3) at worst per refused grow and per escalation (fair shares), O(tenants^2)
-per ``tell_free`` with pages free and a tenant waiting; tenants are few.
+Cost: O(tenants) per parked grow per retry; O(tenants^2) per ``tell_free`` with pages
+free and a tenant waiting.
 """
 
 from __future__ import annotations
@@ -158,7 +148,7 @@ class Reclaimer:
         """Keep ``LOW_WATER`` of the pages free: ask the tenants most past their fair share
         (reclaimable pages past it, per unit of weight) for what is missing."""
         short = self.shares.low_water_pages - self.pages.num_free
-        if short <= 0 or self.parked or now < self._next_ask_ahead or self.shares.saturated(now):
+        if short <= 0 or self.parked or now < self._next_ask_ahead:
             return
         self._next_ask_ahead = now + ASK_AHEAD_S
         capped = [(t, min(pages, self.shares.pages_past_fair(t))) for t, pages in self._victims(None, now)]
@@ -189,11 +179,8 @@ class Reclaimer:
 
     def _victims(self, requester: Tenant | None, now: float) -> list[tuple[Tenant, int]]:
         """Other active tenants with pages above ``min_bytes`` (a tenant short itself,
-        ``STARVED_S``: only those past its weighted share; a busy one, for a requester
-        holding its fair share: only those past its fair share): (tenant, pages), best first.
-        O(tenants^3) at worst (a fair share is O(tenants^2))."""
+        ``STARVED_S``: only those past its weighted share): (tenant, pages), best first."""
         found = []
-        fed = requester is not None and self.shares.holds_fair(requester)
         for t in self.tenants:
             if t is requester or t.state is not TenantState.ACTIVE or not t.leased:
                 continue
@@ -201,8 +188,6 @@ class Reclaimer:
             past_share = self.shares.pages_past_share(t, now)  # a short tenant keeps its share
             if past_share is not None:
                 pages = min(pages, past_share)
-            elif fed and self.shares.is_busy(t, now):  # a busy one its fair share, from a fed requester
-                pages = min(pages, self.shares.pages_past_fair(t))
             if pages:
                 found.append((t, pages))
         found.sort(key=lambda item: item[1] / item[0].weight, reverse=True)

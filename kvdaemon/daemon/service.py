@@ -259,7 +259,6 @@ class Service:
             tenant.touch(self.clock())
         if args.bool("active"):  # its engine stepped: busy, whatever its blocks did
             tenant.touch(self.clock())
-            tenant.stepped_at = self.clock()
         if args.has("sleepable"):
             tenant.sleepable = args.bool("sleepable")
         page_bytes, now = self.pages.page_size_bytes, self.clock()

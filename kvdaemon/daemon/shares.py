@@ -23,14 +23,6 @@ Grows *ahead of need* (``free_for_ahead``: a pool mapping its engine's
 speculative floor) take only what is free above ``LOW_WATER`` of the pages
 after both rules: speculation never eats the free pages a burst of real need
 finds first, and never takes what ``ask_ahead`` asked other tenants to give.
-Except while the device is **saturated** (``saturated``): every active tenant
-is short and holds its fair share, so no tenant is left whose burst the low
-water would serve, and pages kept free would only shrink the batches of
-engines that all want more; then nothing is kept free (ahead of need may take
-every free page, and ``ask_ahead`` asks nobody) until one of them goes a
-``STARVED_S`` without a refusal or falls below its fair share. (Busy is not
-enough: tenants at a base load beside one tenant's burst are busy, and the
-low water is what that burst finds free.)
 
 A tenant's **fair share** (``fair_pages``) is its part of the pages tenants
 may fill while ``LOW_WATER`` of them stay free, filled like water: a tenant
@@ -48,14 +40,8 @@ a grow ahead of need could take now (``free_for_ahead``) in every heartbeat
 reply; one holding at least its fair share while the daemon has nothing to
 spare takes new blocks from its own cache (``PoolAgent``) instead of growing.
 
-A tenant is **busy** while its engine stepped within ``BUSY_S`` (its
-heartbeats say so): reclaim asks a busy tenant, for a requester that holds its
-own fair share, only for what it holds past its fair share (``Reclaimer``).
-
 Invariants: a tenant within its share is never refused for another's
-shortage; nothing here maps or unmaps. Cost: O(tenants) per call, but a fair
-share (``fair_pages``, O(tenants^2)) and what uses it for every tenant
-(``saturated``, O(tenants^3)); tenants are few.
+shortage; nothing here maps or unmaps. Cost: O(tenants) per call.
 """
 
 from __future__ import annotations
@@ -65,7 +51,6 @@ from collections.abc import Iterable
 from kvdaemon.daemon.tenant import Tenant, TenantState
 
 STARVED_S = 1.0  # a tenant refused pages this recently is short
-BUSY_S = 2.0  # a tenant whose heartbeat said its engine stepped this recently is busy (two heartbeats)
 LOW_WATER = 0.1  # the fraction of the pages kept free: asked back from idle holders, never speculated on
 
 
@@ -123,18 +108,6 @@ class Shares:
     def is_short(self, tenant: Tenant, now: float) -> bool:
         return now - tenant.starved_at < STARVED_S
 
-    def is_busy(self, tenant: Tenant, now: float) -> bool:
-        """Its engine stepped within ``BUSY_S`` (as its heartbeats said)."""
-        return now - tenant.stepped_at < BUSY_S
-
-    def pages_below_fair(self, tenant: Tenant) -> int:
-        """Physical pages ``tenant`` lacks of its fair share (0 holding it). O(tenants^2)."""
-        return max(0, self.fair_pages(tenant) - held_pages(tenant))
-
-    def holds_fair(self, tenant: Tenant) -> bool:
-        """It holds at least its fair share. O(tenants^2)."""
-        return self.pages_below_fair(tenant) == 0
-
     def pages_past_share(self, tenant: Tenant, now: float) -> int | None:
         """For a short tenant, the physical pages it holds past its share; ``None`` when not short."""
         if not self.is_short(tenant, now):
@@ -157,19 +130,8 @@ class Shares:
 
     def free_for_ahead(self, tenant: Tenant, num_free: int, now: float) -> int:
         """Free physical pages a grow *ahead of need* may take: ``free_for`` less the
-        ``LOW_WATER`` pages kept free for real need (none while ``saturated``)."""
-        kept = 0 if self.saturated(now) else self.low_water_pages
-        return max(0, self.free_for(tenant, num_free, now) - kept)
-
-    def saturated(self, now: float) -> bool:
-        """Every active tenant, two or more, is short (a grow for its real need refused within
-        ``STARVED_S``) and holds at least its fair share: no tenant is left for whom pages
-        kept free would start a burst sooner, and pages kept free would only make the
-        batches of engines that all want more smaller. O(tenants^3) at worst, O(tenants) when
-        a tenant is not short (checked first)."""
-        active = self._active()
-        return (len(active) > 1 and all(self.is_short(t, now) for t in active)
-                and all(self.holds_fair(t) for t in active))
+        ``LOW_WATER`` pages kept free for real need."""
+        return max(0, self.free_for(tenant, num_free, now) - self.low_water_pages)
 
     @property
     def low_water_pages(self) -> int:

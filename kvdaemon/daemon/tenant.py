@@ -142,7 +142,6 @@ class Tenant:
     starved_at: float = float("-inf")  # when a grow of it last found too few pages free
     starved_pages: int = 0  # the physical pages that grow needed at least
     told_free_at: float = float("-inf")  # when it was last told pages are free again (``free`` notice)
-    stepped_at: float = float("-inf")  # when a heartbeat last said its engine stepped (``shares.BUSY_S``)
     num_sleeps: int = 0
     num_grown_pages: int = 0  # logical pages granted by grows, ever
     num_shrunk_pages: int = 0  # logical pages given back by shrinks, ever

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvdaemon.daemon.reclaim import ASK_AHEAD_S
-from kvdaemon.daemon.shares import LOW_WATER, STARVED_S
+from kvdaemon.daemon.shares import LOW_WATER
 
 from tests.kvdaemon.daemon.test_service import NUM_PAGES, PAGE_BYTES, Harness
 
@@ -113,43 +113,3 @@ def test_the_heartbeat_tells_what_a_grow_ahead_of_need_could_take(h: Harness) ->
     assert heartbeat(h, a, "a")["ahead_bytes"] == (NUM_PAGES - int(NUM_PAGES * LOW_WATER)) * PAGE_BYTES
     fill(h, {"b": 7})  # 2 pages free, 1 of them the low water
     assert heartbeat(h, a, "a")["ahead_bytes"] == 1 * PAGE_BYTES
-
-
-def refused(h: Harness, name: str, *logical_pages: int) -> None:
-    """A grow of ``name`` for real need that finds too few pages free: it is short (``STARVED_S``)."""
-    token = h.service.tenants.named(name).token
-    assert h.error("grow", **h.auth(name, token, logical_pages=list(logical_pages), wait_s=0)) == "NO_MEMORY"
-
-
-def asked_ahead(h: Harness) -> list[tuple[int, int]]:
-    """(tenant id, logical pages) of every ask ahead of need (not urgent) so far."""
-    return [(tid, body["args"]["num_pages"]) for tid, body in h.leases.notices
-            if body["notice"] == "reclaim" and not body["args"]["urgent"]]
-
-
-def test_a_saturated_device_asks_nobody_ahead_of_need_until_a_tenant_is_no_longer_short(h: Harness) -> None:
-    ids = fill(h, {"a": 5, "b": 3})  # 16 of 16 pages: a 10, b 6, fair shares 6 each
-    refused(h, "a", 5)
-    refused(h, "b", 3)
-    h.tick(0.01)
-    assert asked_ahead(h) == [], "every tenant short at its fair share: pages kept free would serve nobody"
-    h.tick(STARVED_S)
-    assert asked_ahead(h) == [(ids["a"], 1)], "nobody short: the low water is kept again"
-
-
-def test_busy_tenants_that_are_not_short_keep_the_low_water(h: Harness) -> None:
-    ids = fill(h, {"a": 5, "b": 3})
-    for name in ("a", "b"):  # their engines step; neither was refused a page
-        h.ok("heartbeat", **h.auth(name, h.service.tenants.named(name).token, active=True))
-    h.tick(0.01)
-    assert asked_ahead(h) == [(ids["a"], 1)]
-
-
-def test_a_saturated_device_lets_a_grow_ahead_of_need_take_the_low_water(h: Harness) -> None:
-    fill(h, {"a": 4, "b": 3})  # 14 of 16 pages: both at or past their fair shares of 6
-    refused(h, "a", 4, 5, 6)
-    refused(h, "b", 3, 4)
-    b = {"token": h.service.tenants.named("b").token}
-    assert heartbeat(h, b, "b")["ahead_bytes"] == 2 * PAGE_BYTES, "saturated: every free page"
-    h.tick(STARVED_S)
-    assert heartbeat(h, b, "b")["ahead_bytes"] == (2 - int(NUM_PAGES * LOW_WATER)) * PAGE_BYTES

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvdaemon.daemon.shares import BUSY_S, STARVED_S
+from kvdaemon.daemon.shares import STARVED_S
 
 from tests.kvdaemon.daemon.test_ask_ahead import reclaims
 from tests.kvdaemon.daemon.test_service import Harness
@@ -82,40 +82,3 @@ def test_a_tenant_within_its_share_is_never_refused_for_another(h: Harness) -> N
     h.ok("grow", **h.auth("a", tok["a"], logical_pages=[2, 3], wait_s=0))  # up to a's own share
     assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[4], wait_s=0)) == "NO_MEMORY"
     h.ok("grow", **h.auth("b", tok["b"], logical_pages=[2, 3], wait_s=0))
-
-
-def stepped(h: Harness, name: str, token: str) -> None:
-    """A heartbeat saying ``name``'s engine stepped: busy for ``BUSY_S``."""
-    h.ok("heartbeat", **h.auth(name, token, active=True))
-
-
-def test_a_busy_tenant_keeps_its_fair_share_from_a_requester_holding_its_own(h: Harness) -> None:
-    ids, tok = tokens(h, {"a": 5, "b": 3})  # fair shares: 15 of 16 pages halved, in logical pages: 6
-    stepped(h, "b", tok["b"])
-    refused_grow(h, "a", tok["a"], 5)
-    assert [r for r in reclaims(h) if r[0] == ids["b"]] == [], "b, busy within its fair share, was asked"
-    h.tick(BUSY_S)
-    refused_grow(h, "a", tok["a"], 5)
-    assert (ids["b"], 1) in reclaims(h), "b, idle, keeps nothing from a refused grow"
-
-
-def test_a_busy_tenant_past_its_fair_share_is_asked_for_the_excess(h: Harness) -> None:
-    """Fair shares: 15 of 16 pages in thirds, in logical pages of 2: 4 each. a holds its own; busy b
-    holds 2 past its; idle c holds 6, 4 of them reclaimable (logical page 0 stays)."""
-    ids, tok = tokens(h, {"a": 2, "b": 3, "c": 3})
-    stepped(h, "b", tok["b"])
-    refused_grow_of(h, "a", tok["a"], [2, 3, 4])  # 6 pages short
-    assert [r for r in reclaims(h) if r[0] == ids["b"]] == [(ids["b"], 1)], "b gives only its excess"
-    assert (ids["c"], 2) in reclaims(h), "idle c gives the rest"
-
-
-def test_a_requester_below_its_fair_share_may_take_all_a_busy_tenant_holds(h: Harness) -> None:
-    ids, tok = tokens(h, {"a": 2, "b": 6})  # a: 4 physical pages, its fair share is 6; b: 12, 6 past it
-    stepped(h, "b", tok["b"])
-    service = h.service
-    victims = service.reclaimer._victims(service.tenants.get(ids["a"]), service.clock())
-    assert victims == [(service.tenants.get(ids["b"]), 10)], "all b holds but logical page 0, not its excess"
-
-
-def refused_grow_of(h: Harness, name: str, token: str, logical_pages: list[int]) -> None:
-    assert h.error("grow", **h.auth(name, token, logical_pages=logical_pages, wait_s=0)) == "NO_MEMORY"
