@@ -260,10 +260,11 @@ class PoolAgent:
         dips at every step of a busy engine asks a daemon short of memory at most as often as
         the back-off allows."""
         core, now = self.core, time.monotonic()
-        if self.reserve_backoff.due(now) and not core.recycles():
+        recycles = core.recycles()
+        if self.reserve_backoff.due(now) and not recycles:
             self.reserve_backoff.note(core.grow_reserve(), now)
         wants_floor = core.reserve_mapped() and not core.floor_mapped()
-        if wants_floor and self.floor_backoff.due(now) and not core.recycles():
+        if wants_floor and self.floor_backoff.due(now) and not recycles:
             granted = core.grow_floor()
             self.floor_backoff.note(granted, now)
             self._floor_refused = not granted

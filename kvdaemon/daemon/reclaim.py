@@ -43,10 +43,10 @@ Pages back (``tell_free``, after every request and tick): a tenant refused
 pages for its real need in the last ``STARVED_S`` is sent one ``free`` notice
 once the grow it was refused would fit in the pages free for it
 (``Shares.free_for``), so it asks again at once instead of on its back-off;
-another refusal arms it again. Free pages are promised once: tenants are told
-longest refused first, and each is told only of what the ones before it were
-not promised (their refused grows), so several tenants are not sent after the
-same pages, all but one to be refused again.
+another refusal arms it again. In one pass tenants are told longest refused
+first, each only of what the ones before it were not promised (their refused
+grows), so several tenants are not sent after the same pages, all but one to
+be refused again; nothing holds a promise past its pass.
 
 Cost: O(tenants) per parked grow per retry; O(tenants^2) per ``tell_free`` with pages
 free and a tenant waiting.
