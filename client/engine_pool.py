@@ -42,7 +42,8 @@ class EnginePool(BlockSource, Protocol):
     grow_wait_s: float | None
     owed_pages: int
     """Logical pages the daemon asked back for another tenant's need, still in use: they go
-    back as their blocks are freed, so the engine admits no new request into them."""
+    back as their blocks are freed, so the engine admits no new request into them (until
+    they lapse, ``pool_agent.OWED_S`` after the last ask)."""
     quiesce_hook: Callable[[], None] | None
     resume_hook: Callable[[], None] | None
     reclaim_hook: Callable[[int], int] | None

@@ -269,7 +269,8 @@ class KVPool:
 
     @property
     def owed_pages(self) -> int:
-        """Pages the daemon asked back that are still in use: they go back as blocks are freed."""
+        """Pages the daemon asked back that are still in use: they go back as blocks are freed,
+        or lapse ``pool_agent.OWED_S`` after the last ask (all but those past a known limit)."""
         return self.core.owed_pages
 
     @property

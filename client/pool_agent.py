@@ -7,7 +7,13 @@ pool's lock only as long as each answer takes:
 - ``reclaim`` N: returns up to N spare pages, then asks the engine's
   ``reclaim_hook`` to evict cache-only blocks and returns the pages that
   emptied; what is still short of an urgent ask is *owed* and goes back as
-  blocks are freed (the engine admits no new request into owed pages);
+  blocks are freed (the engine admits no new request into owed pages). What is
+  still unpaid lapses at the agent's first wake-up more than ``OWED_S`` (1 s,
+  the daemon's ``STARVED_S``) after the last urgent ask, down to the pages
+  mapped past a known limit: the daemon asks a parked grow's victims again
+  more often than that, and a requester refused again asks again. Without the
+  lapse, pages held by running requests kept a busy engine's admissions down
+  for seconds after the requester had what it needed;
 - ``free``: pages a refused grow wanted are free again: the back-off ends, the
   engine's own grows may ask at once, and the reserve is probed now (a pool that
   recycles its cache leaves that to its engine's next allocation);
@@ -62,6 +68,7 @@ from kvdaemon.wire.messages import (
 
 log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
+OWED_S = 1.0  # an urgent ask's debt lapses this long after the last one (the daemon's STARVED_S)
 REPORT_MIN_S = HEARTBEAT_S  # changed figures (used bytes, activity) are told at most this often
 GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon, then twice as late each time
 GROW_RETRY_MAX_S = 1.0  # ... up to this (a ``free`` notice ends the wait sooner)
@@ -213,6 +220,7 @@ class PoolAgent:
         if returned < wanted and urgent:
             with core.lock:  # the rest go back as their blocks are freed
                 core.owed_pages = max(core.owed_pages, wanted - returned)
+                core.owed_at = time.monotonic()
         log.info("pool %s: returned %d of %d page(s) on request", core.name, returned, wanted)
 
     def _revoke(self, why: str) -> None:
@@ -232,6 +240,8 @@ class PoolAgent:
         with core.lock:
             if core.state is PoolState.ACTIVE:
                 core.adopt_late_grants()
+                if core.owed_pages and time.monotonic() - core.owed_at > OWED_S:
+                    core.owed_pages = min(core.owed_pages, core.pages_over_limit())  # a limit's debt stays
                 self._grow_ahead()
                 core.return_excess()
             core.retry_returns()

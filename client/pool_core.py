@@ -86,7 +86,8 @@ class PoolCore:
         self.sleeping_allocator: BlockAllocator | None = None  # a warm sleeper's blocks
         self.max_bytes: int | None = lease.limit.get("max_bytes")
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
-        self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed
+        self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed, or lapsed
+        self.owed_at = float("-inf")  # when the last urgent ask left pages owed (time.monotonic)
         self.reserve_blocks = 0  # kept free and mapped for the engine's next steps (``keep_free``)
         self.spare_blocks = 0  # spare kept past ``num_spare_pages`` until asked for (``keep_free``)
         self.ahead_blocks = 0  # mapped ahead of need, kept until asked for (``keep_free``)

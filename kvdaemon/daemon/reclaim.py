@@ -8,7 +8,9 @@ the daemon:
    weight (largest first), for just the pages it lacks (``reclaim`` notice; a
    pool answers from its agent thread with spare pages, then cache-only pages,
    even while its engine is idle);
-2. after ``escalate_s``, asks every victim for what is still missing;
+2. after ``escalate_s``, asks every victim for what is still missing, and
+   again every ``REASK_S`` while the grow stays parked (a pool's debt lapses
+   a second after the last urgent ask, ``pool_agent.OWED_S``);
 3. after twice that, if ``sleep_victims`` is on, warm-sleeps the longest-idle
    victim that has no ``min_bytes`` guarantee and can be quiesced;
 4. retries parked grows, oldest first, after every request and every tick; a
@@ -25,7 +27,10 @@ never the reserve its engine's next step needs, so a burst starting later finds
 free pages instead of waiting for other tenants' caches to shrink. Such an ask
 is not ``urgent``: a pool gives what it can now and owes nothing, while an ask
 for a grow's real need is, and what a victim cannot give at once it owes
-(returned as its blocks free; its engine admits no new request into them).
+(returned as its blocks free; its engine admits no new request into them)
+until its pool's agent wakes more than a second (``OWED_S``, equal to
+``STARVED_S``) after the last such ask: a grow that was not parked is forgotten
+as short by then, and one refused again asks again.
 
 A grow with ``wait_s == 0`` is never parked: the victims are asked (step 1) so
 that pages come back for a later grow, and the grow fails at once with
@@ -70,6 +75,7 @@ from kvdaemon.wire.messages import FreeNotice, ReclaimNotice
 
 log = logging.getLogger("kvdaemon.reclaim")
 ASK_AHEAD_S = 0.25  # at most one such ask per this interval
+REASK_S = 0.5  # a parked grow's victims are asked again this often (under a pool's OWED_S)
 
 
 @dataclass
@@ -83,6 +89,7 @@ class ParkedGrow:
     parked_at: float
     wait_s: float
     stage: int = 0  # 0: the first victims asked; 1: all asked; 2: a victim slept
+    asked_at: float = 0.0  # when its victims were last asked
 
 
 class Reclaimer:
@@ -123,7 +130,7 @@ class Reclaimer:
         self._ask(victims, short, stop_when_covered=True)
         if wait_s <= 0:
             return False
-        self.parked.append(ParkedGrow(tenant.tenant_id, candidates, min_pages, waiter, now, wait_s))
+        self.parked.append(ParkedGrow(tenant.tenant_id, candidates, min_pages, waiter, now, wait_s, asked_at=now))
         return True
 
     def _short(self, tenant: Tenant, min_pages: int) -> int:
@@ -223,11 +230,17 @@ class Reclaimer:
         if tenant is None:
             return
         if parked.stage == 0 and waited >= self.escalate_s:
-            self._ask(self._victims(tenant, now), self._short(tenant, parked.min_pages), stop_when_covered=False)
+            self._ask_all(parked, tenant, now)
             parked.stage = 1
         elif parked.stage == 1 and waited >= 2 * self.escalate_s:
             self._sleep_a_victim(tenant, now)
             parked.stage = 2
+        elif parked.stage and now - parked.asked_at >= REASK_S:
+            self._ask_all(parked, tenant, now)  # so what victims owe does not lapse while it waits
+
+    def _ask_all(self, parked: ParkedGrow, tenant: Tenant, now: float) -> None:
+        self._ask(self._victims(tenant, now), self._short(tenant, parked.min_pages), stop_when_covered=False)
+        parked.asked_at = now
 
     def _sleep_a_victim(self, requester: Tenant, now: float) -> bool:
         if not self.sleep_victims:

@@ -149,6 +149,13 @@ def test_seed_lists_name_ranges_and_single_seeds() -> None:
     assert (opts.seeds, opts.light_seeds, opts.overload_seeds) == (list(range(8)), [0, 1, 2, 3], [0, 1])
 
 
+def test_the_forward_leaves_a_core_to_the_control_plane_unless_told() -> None:
+    assert multitenant.options([]).torch_threads is None
+    assert multitenant.options(["--torch-threads", "3"]).torch_threads == 3
+    assert [multitenant.num_forward_threads(None, cores) for cores in (1, 2, 16)] == [1, 1, 15]
+    assert multitenant.num_forward_threads(2, 2) == 2
+
+
 @pytest.mark.parametrize(("argv", "complaint"), [
     (["--seeds", "abc"], "argument --seeds: 'abc' is not a seed list"),
     (["--light-seeds", "3-1"], "argument --light-seeds: '3-1' is not a seed list"),
@@ -161,6 +168,7 @@ def test_seed_lists_name_ranges_and_single_seeds() -> None:
     (["--scale", "nan"], "argument --scale: 'nan' is not a number above 0"),
     (["--rate-scale", "inf"], "argument --rate-scale: 'inf' is not a number above 0"),
     (["--capacity-mib", "lots"], "argument --capacity-mib: 'lots' is not a whole number above 0"),
+    (["--torch-threads", "0"], "argument --torch-threads: '0' is not a whole number above 0"),
 ])
 def test_a_bad_option_is_a_usage_error_before_any_work(
     argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted
+from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted, pool_agent
 from kvdaemon.errors import BadRequest
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
@@ -222,6 +222,26 @@ def test_a_lowered_limit_takes_busy_pages_as_their_blocks_are_freed(kvd: Running
     wait_until(lambda: not pool.core.has_excess())
     assert tenant_row(client, "a")["mapped_bytes"] == 2 * LOGICAL_PAGE_BYTES
     kvd.check_invariants()
+    pool.close()
+
+
+def test_a_lowered_limits_debt_outlives_owed_s(kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    client, pool = register(kvd, num_spare_pages=8, num_prefetch_pages=0)
+    blocks = pool.alloc(4 * BLOCKS_PER_PAGE)
+    client.set_limit("a", max_bytes=2 * LOGICAL_PAGE_BYTES)
+    wait_until(lambda: pool.core.owed_pages == 2, 5, "the reclaim notice was not answered")
+    monkeypatch.setattr(pool_agent, "OWED_S", 0.0)  # every wake-up from now on lapses what it may
+    checks = []
+    housekeep = pool.agent._housekeep
+    pool.agent._housekeep = lambda: housekeep() or checks.append(pool.core.owed_pages)  # type: ignore[method-assign]
+    pool.agent.nudge()
+    wait_until(lambda: checks, 5, "the agent never woke")
+    assert pool.core.owed_pages == 2, "the pages past the limit stopped being owed"
+    pool.free(blocks[3 * BLOCKS_PER_PAGE :])  # the debt still takes the pages as they empty
+    wait_mapped(client, "a", 3 * LOGICAL_PAGE_BYTES)
+    pool.free(blocks[2 * BLOCKS_PER_PAGE : 3 * BLOCKS_PER_PAGE])
+    wait_mapped(client, "a", 2 * LOGICAL_PAGE_BYTES)
+    pool.free(blocks[: 2 * BLOCKS_PER_PAGE])
     pool.close()
 
 

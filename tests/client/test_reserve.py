@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted, pool_agent
+from kvdaemon.daemon import reclaim, shares
 from kvdaemon.errors import BadRequest
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
@@ -241,7 +242,10 @@ def test_the_floor_comes_from_the_engines_own_cache_when_the_daemon_has_none_to_
     hog.close()
 
 
-def test_an_ask_ahead_of_need_owes_nothing_and_an_ask_for_a_grow_owes_the_rest(kvd: RunningDaemon) -> None:
+def test_an_ask_ahead_of_need_owes_nothing_and_an_ask_for_a_grow_owes_the_rest(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pool_agent, "OWED_S", float("inf"))  # the debt is paid here, never lapsed
     client = kvd.client()
     pool, held = occupy(client, 8)  # the whole device in live blocks: the daemon asks it ahead of need
     time.sleep(0.5)  # several ticks of the daemon's ask-ahead
@@ -257,6 +261,11 @@ def test_an_ask_ahead_of_need_owes_nothing_and_an_ask_for_a_grow_owes_the_rest(k
     pool.close()
 
 
+def test_a_debt_lapses_no_sooner_than_the_daemon_forgets_a_refusal_or_asks_again() -> None:
+    assert pool_agent.OWED_S == shares.STARVED_S
+    assert reclaim.REASK_S < pool_agent.OWED_S
+
+
 def owe_one_page(client: KVClient) -> tuple[KVPool, list[int], KVPool]:
     """A pool "p" of five logical pages of live blocks that owes one page to "o"'s refused grow."""
     pool = client.register("p", SPEC, num_spare_pages=0, num_prefetch_pages=0)
@@ -268,7 +277,8 @@ def owe_one_page(client: KVClient) -> tuple[KVPool, list[int], KVPool]:
     return pool, held, other
 
 
-def test_a_pool_that_owes_maps_no_floor_and_keeps_its_debt(kvd: RunningDaemon) -> None:
+def test_a_pool_that_owes_maps_no_floor_and_keeps_its_debt(kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_agent, "OWED_S", float("inf"))  # the debt is paid here, never lapsed
     client = kvd.client()
     pool, held, other = owe_one_page(client)
     pool.keep_free(0, 0, 2 * BLOCKS_PER_PAGE)  # memory is free above the low water, but it owes
@@ -280,7 +290,20 @@ def test_a_pool_that_owes_maps_no_floor_and_keeps_its_debt(kvd: RunningDaemon) -
     pool.close()
 
 
-def test_a_sleep_settles_a_debt(kvd: RunningDaemon) -> None:
+def test_an_unpaid_debt_lapses_after_owed_s(kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = kvd.client()
+    pool, held, other = owe_one_page(client)
+    monkeypatch.setattr(pool_agent, "OWED_S", 0.0)  # read at the agent's wake-ups only
+    pool.agent.nudge()
+    wait_until(lambda: pool.owed_pages == 0, 10, "the debt outlived OWED_S")
+    assert mapped(client, "p") == 5 * LOGICAL, "a page in use went back"
+    other.close()
+    pool.free(held)
+    pool.close()
+
+
+def test_a_sleep_settles_a_debt(kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_agent, "OWED_S", float("inf"))  # the sleep settles it, not a lapse
     client = kvd.client()
     pool, _held, other = owe_one_page(client)
     pool.sleep("warm")  # every page goes back: nothing is owed after

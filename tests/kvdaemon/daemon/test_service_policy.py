@@ -63,6 +63,22 @@ def test_reclaim_escalates_with_the_clock(h: Harness) -> None:
     assert routing_id == b"b" and decode(payload)["error"]["code"] == "NO_MEMORY"
 
 
+def test_a_parked_grow_asks_its_victims_again_while_it_waits(h: Harness) -> None:
+    a = h.register("a")
+    b = h.register("b")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=list(range(6))))
+    h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2])))
+    h.tick(0.3)  # past escalate_s: every victim asked
+    h.tick(0.3)  # past twice that: no victim can sleep; asked 0.3 s ago
+    assert len(notices_to(h, a, "reclaim")) == 2
+    h.tick(0.3)  # 0.6 s since the last ask: asked again, so a's debt does not lapse
+    assert notices_to(h, a, "reclaim")[2:] == [{"num_pages": 1, "urgent": True}]
+    h.tick(0.3)
+    assert len(notices_to(h, a, "reclaim")) == 3
+    h.tick(0.3)
+    assert len(notices_to(h, a, "reclaim")) == 4 and h.replies == []
+
+
 def test_reclaim_never_sleeps_a_tenant_that_cannot_quiesce(h: Harness) -> None:
     a = h.register("a")  # sleepable defaults to False: a raw pool
     b = h.register("b")
