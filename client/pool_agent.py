@@ -11,9 +11,8 @@ pool's lock only as long as each answer takes:
   still unpaid lapses at the agent's first wake-up more than ``OWED_S`` (1 s,
   the daemon's ``STARVED_S``) after the last urgent ask, down to the pages
   mapped past a known limit: the daemon asks a parked grow's victims again
-  more often than that, and a requester refused again asks again. Without the
-  lapse, pages held by running requests kept a busy engine's admissions down
-  for seconds after the requester had what it needed;
+  more often than that, and a requester refused again asks again, so only a
+  debt nobody waits for lapses;
 - ``free``: pages a refused grow wanted are free again: the back-off ends, the
   engine's own grows may ask at once, and the reserve is probed now (a pool that
   recycles its cache leaves that to its engine's next allocation);
