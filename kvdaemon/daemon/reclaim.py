@@ -36,7 +36,8 @@ A grow with ``wait_s == 0`` is never parked: the victims are asked (step 1) so
 that pages come back for a later grow, and the grow fails at once with
 ``NO_MEMORY``. A grow that no reclaim could serve (the others hold nothing
 above their guarantees) fails at once. A tenant whose own grow found
-too few pages free in the last ``STARVED_S`` (``shares``) is short itself: it is asked only
+too few pages free in the last ``STARVED_S`` (``shares``), or whose grow is still parked
+(each retry that finds too few counts as a refusal), is short itself: it is asked only
 for what it holds past its weighted share of the device (asking more would
 only move memory between busy tenants; under a steady overload every tenant
 keeps its share, like a static split, and a tenant that grows all the time
@@ -212,11 +213,12 @@ class Reclaimer:
                 raise UnknownTenant("the tenant went away while its grow waited")
             result = self.grants.grow(tenant, parked.candidates, parked.min_pages, now)
         except NoMemory as exc:
+            assert tenant is not None
             if now - parked.parked_at >= parked.wait_s:
-                assert tenant is not None
                 tenant.note_refused(exc.code, parked.min_pages, self.pages.free_bytes)
                 parked.waiter.fail(exc)
                 return True
+            tenant.starved_at = now  # still short while it waits, however long past STARVED_S
             self._escalate(parked, tenant, now)
             return False
         except KVDaemonError as exc:
@@ -225,10 +227,8 @@ class Reclaimer:
         parked.waiter.ok(result)
         return True
 
-    def _escalate(self, parked: ParkedGrow, tenant: Tenant | None, now: float) -> None:
+    def _escalate(self, parked: ParkedGrow, tenant: Tenant, now: float) -> None:
         waited = now - parked.parked_at
-        if tenant is None:
-            return
         if parked.stage == 0 and waited >= self.escalate_s:
             self._ask_all(parked, tenant, now)
             parked.stage = 1

@@ -79,6 +79,18 @@ def test_a_parked_grow_asks_its_victims_again_while_it_waits(h: Harness) -> None
     assert len(notices_to(h, a, "reclaim")) == 4 and h.replies == []
 
 
+def test_a_parked_grow_keeps_its_tenant_short_past_starved_s(h: Harness) -> None:
+    a = h.register("a")
+    b = h.register("b")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=list(range(6))))
+    h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2])))
+    for _ in range(5):
+        h.tick(0.3)  # 1.5 s parked: past STARVED_S since it parked, short of wait_s
+    assert h.replies == []
+    short = {row["name"]: row["short"] for row in h.ok("status")["tenants"]}
+    assert short == {"a": False, "b": True}
+
+
 def test_reclaim_never_sleeps_a_tenant_that_cannot_quiesce(h: Harness) -> None:
     a = h.register("a")  # sleepable defaults to False: a raw pool
     b = h.register("b")
