@@ -275,8 +275,12 @@ class BlockAllocator:
         """Raise ``BadRequest`` naming the first id that is not allocated or repeats."""
         seen: set[int] = set()
         for block in block_ids:
-            if type(block) is not int or block not in self._live or block in seen:
-                raise BadRequest(f"block {block!r} is not allocated (double free, repeated or unknown id)")
+            if type(block) is not int:
+                raise BadRequest(f"{block!r} is not a block id (an int)")
+            if block in seen:
+                raise BadRequest(f"block {block} appears twice in one free")
+            if block not in self._live:
+                raise BadRequest(f"block {block} is not allocated (freed already, or never allocated)")
             seen.add(block)
         raise BadRequest(f"blocks {block_ids!r} are not all allocated")
 

@@ -67,17 +67,23 @@ class KVClient:
                 raise
 
     def _hello_locked(self) -> dict[str, Any]:
+        if not self._same_daemon():  # a dead daemon's socket is left behind: no timeout for it
+            raise self._channel.unreachable()
         info = self._channel.call("hello", {"version": PROTOCOL_VERSION})
         self.daemon_info = info
         return info
 
     def _same_daemon(self) -> bool:
         """False once the daemon this client spoke to no longer holds the directory (it died,
-        or another took its place): a request it never answered will not be answered."""
-        info = self.daemon_info
-        if info is None or not self.paths.lock_file.exists():  # a daemon run without the lock (in tests)
+        or another took its place), or, before ``hello``, while no daemon holds it: a request
+        it never answered will not be answered. One open and flock."""
+        if not self.paths.lock_file.exists():  # a daemon run without the lock (in tests)
             return True
-        return running_pid(self.paths) in (info.get("pid"), 0)
+        pid = running_pid(self.paths)
+        info = self.daemon_info
+        if info is None:
+            return pid is not None
+        return pid in (info.get("pid"), 0)
 
     # -- ops -------------------------------------------------------------------
 

@@ -114,9 +114,13 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
         "log_file": str(config.log_file or config.paths.log_file),
         "metrics_address": config.metrics_address,
     }  # fmt: skip
+    wanted = config.capacity.exact_bytes
+    rounded = ""
+    if wanted is not None and wanted != info["capacity_bytes"]:
+        rounded = f"; the {format_bytes(wanted)} asked, rounded down to whole {format_bytes(info['page_size'])} pages"
     emit(as_json, result, (
         f"kvdaemon running at {config.dir} (pid {pid}, backend {info['backend']}, "
-        f"capacity {format_bytes(info['capacity_bytes'])})"
+        f"capacity {format_bytes(info['capacity_bytes'])}{rounded})"
     ))  # fmt: skip
 
 

@@ -174,6 +174,6 @@ def render(console: Console, dir: Path, status: dict[str, Any], num_registered: 
     if policies:
         console.print(Text("operator policies (kvdaemon limit; [tenants] of the config file):"))
     for policy in policies:
-        waiting = "" if policy.get("registered") else "; not registered yet"
+        waiting = "" if policy.get("registered") else "; not registered (applied when it registers)"
         line = f"  {policy['name']}: {describe_policy(policy)}{waiting}"
         console.print(Text(line), highlight=False)

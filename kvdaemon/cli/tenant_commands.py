@@ -125,13 +125,18 @@ def limit(name: str, max_size: str | None, min_size: str | None, weight: float |
     with reach.talking(root) as client:
         applied = client.call("set_limit", args)
         row = _tenant(client, name) if applied.get("registered") else None
-    result = limit_result(name, applied, row)
+        page_bytes = int((client.daemon_info or client.hello())["page_size"])
+    result = limit_result(name, applied, row, page_bytes)
     emit(as_json, result, limit_text(result))
 
 
-def limit_result(name: str, applied: dict[str, Any], row: dict[str, Any] | None) -> dict[str, Any]:
+def limit_result(
+    name: str, applied: dict[str, Any], row: dict[str, Any] | None, page_bytes: int
+) -> dict[str, Any]:
     """The JSON of ``kvdaemon limit``: the tenant's limits now (``null`` until it registers),
-    its policy, what was clamped, and what it owes over its limit."""
+    its policy, what was clamped, what it owes over its limit, and its logical page
+    (``logical_page_bytes``: a limit under it lets the tenant map nothing; ``null`` until
+    it registers)."""
     limits = applied.get("limit") or {}
     return {
         "name": name, "registered": bool(applied.get("registered")),
@@ -140,6 +145,7 @@ def limit_result(name: str, applied: dict[str, Any], row: dict[str, Any] | None)
         "weight": limits.get("weight"),
         "over_limit_bytes": None if row is None else status_view.owed_bytes(row),
         "policy": applied.get("policy"), "clamped": applied.get("clamped", []),
+        "logical_page_bytes": None if row is None else int(row["num_segments"]) * page_bytes,
     }  # fmt: skip
 
 
@@ -160,6 +166,10 @@ def limit_text(result: dict[str, Any]) -> str:
     for clamp in result["clamped"]:
         lines.append(f"{name}: {clamp['field']} {format_bytes(clamp['requested_bytes'])} clamped to "
                      f"{format_bytes(clamp['applied_bytes'])} ({clamp['reason']})")  # fmt: skip
+    page = result.get("logical_page_bytes")
+    if page and result["max_bytes"] is not None and result["max_bytes"] < page:
+        lines.append(f"{name}: a limit under its logical page ({format_bytes(page)}) lets it map "
+                     "nothing; what it maps it gives back")  # fmt: skip
     if result["over_limit_bytes"]:
         lines.append(f"{name}: owes {format_bytes(result['over_limit_bytes'])} over its limit; "
                      "asked to give it back")  # fmt: skip

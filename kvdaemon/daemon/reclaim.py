@@ -111,7 +111,6 @@ class Reclaimer:
         self.sleep_victims = sleep_victims
         self.parked: list[ParkedGrow] = []
         self.num_reclaim_requests = 0
-        self.num_victims_slept = 0
         self.num_asks_ahead = 0
         self._next_ask_ahead = float("-inf")
 
@@ -253,8 +252,8 @@ class Reclaimer:
             return False
         victim = min(candidates, key=lambda t: t.last_active)  # the longest idle
         log.info("reclaim: asking %s to sleep (warm) for %s", victim.name, requester.name)
-        self.sleeper.begin(victim, "warm", None, now, why=f"reclaim: pages wanted by {requester.name}")
-        self.num_victims_slept += 1
+        why = f"reclaim: pages wanted by {requester.name}"
+        self.sleeper.begin(victim, "warm", None, now, why=why, victim=True)
         return True
 
     def cancel_all(self, error: KVDaemonError) -> None:
@@ -267,5 +266,4 @@ class Reclaimer:
         return {
             "parked_grows": len(self.parked),
             "reclaim_requests": self.num_reclaim_requests,
-            "victims_slept": self.num_victims_slept,
         }

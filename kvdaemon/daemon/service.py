@@ -131,6 +131,8 @@ class Service:
         rid = message.get("id")
         request_id = rid if isinstance(rid, int) and not isinstance(rid, bool) else None
         try:
+            if request_id is None:  # its reply could not be matched: never carried out
+                raise BadRequest(f"field 'id' must be an integer, got {type(rid).__name__}")
             op = message.get("op")
             if not isinstance(op, str):
                 raise BadRequest("field 'op' must be a string")

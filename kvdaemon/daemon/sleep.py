@@ -66,6 +66,7 @@ class Sleeper:
         self.timeout_s = timeout_s
         self._ids = itertools.count(1)
         self.num_sleeps = 0
+        self.num_victims_slept = 0  # the sleeps above that reclaim asked for (done, not only asked)
         self.num_wakes = 0
         self.buffers = swap.BufferCache(
             min(grants.pages.capacity_bytes, MAX_CACHED_BUFFER_BYTES), backend
@@ -73,14 +74,14 @@ class Sleeper:
 
     def begin(
         self, tenant: Tenant, mode: str, waiter: PendingReply | None, now: float,
-        by_owner: bool = False, why: str = "asked by an admin",
+        by_owner: bool = False, why: str = "asked by an admin", victim: bool = False,
     ) -> dict[str, Any] | None:
         """Ask ``tenant`` to quiesce; ``waiter`` is answered by ``finish`` or ``expire``.
 
         Returns a result at once (and leaves ``waiter`` alone) when nothing is
         to be done: the tenant already sleeps, or a cold sleep dropped a warm
         sleeper's copy. ``waiter`` is ``None`` for the daemon's own sleeps;
-        ``why`` says who asked, for the log.
+        ``why`` says who asked, for the log; ``victim``: reclaim asked it (counted once done).
         """
         if tenant.state is not TenantState.ACTIVE:
             return self._sleep_again(tenant, mode, why)
@@ -89,7 +90,7 @@ class Sleeper:
         if not tenant.leased:
             raise Conflict(f"tenant {tenant.name!r} has no handle channel to be told on")
         sleep_id = next(self._ids)
-        tenant.pending_sleep = PendingSleep(sleep_id, mode, waiter, now + self.timeout_s, why)
+        tenant.pending_sleep = PendingSleep(sleep_id, mode, waiter, now + self.timeout_s, why, victim)
         notify(self.leases, tenant.tenant_id, SleepNotice(mode, sleep_id, by_owner))
         return None
 
@@ -130,6 +131,7 @@ class Sleeper:
         tenant.state = TenantState.sleeping(pending.mode)
         tenant.num_sleeps += 1
         self.num_sleeps += 1
+        self.num_victims_slept += pending.victim
         result = self._result(tenant, num_pages)
         tenant.last_sleep = (sleep_id, result)
         if pending.waiter is not None:
@@ -193,7 +195,7 @@ class Sleeper:
                 self.begin(tenant, mode, None, now, why=f"idle policy: idle for {idle:.0f} s")
 
     def stats(self) -> dict[str, int]:
-        return {"sleeps": self.num_sleeps, "wakes": self.num_wakes}
+        return {"sleeps": self.num_sleeps, "victims_slept": self.num_victims_slept, "wakes": self.num_wakes}
 
     def forget(self, tenant: Tenant) -> None:
         """Drop what a removed tenant kept: its warm copy and any parked caller."""

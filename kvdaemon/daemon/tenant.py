@@ -109,6 +109,7 @@ class PendingSleep:
     waiter: PendingReply | None  # the caller's reply; None for the daemon's own sleeps
     deadline: float
     why: str = "asked by an admin"  # who asked, for the log
+    victim: bool = False  # asked by reclaim for another tenant's grow (``victims_slept`` once done)
 
 
 @dataclass

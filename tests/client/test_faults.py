@@ -348,6 +348,26 @@ def test_a_request_to_a_daemon_that_dies_ends_at_once_not_at_its_timeout(
         pool.close()
 
 
+def test_every_call_after_the_daemon_was_killed_says_none_runs_at_once(
+    root: Path, daemons: Callable[[], subprocess.Popen[bytes]]
+) -> None:
+    """The first call after a SIGKILL found the daemon gone; the next ones waited their whole
+    timeout on the socket it left behind, then blamed a slow daemon (``NoReply``)."""
+    first = daemons()
+    with KVClient(root, timeout_s=5.0) as admin:
+        admin.status()
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(DaemonUnreachable) as err:
+                admin.status()
+            assert not isinstance(err.value, NoReply) and time.monotonic() - started < 2.0
+        assert "no kvdaemon running" in err.value.message
+        daemons()
+        assert admin.status()["tenants"] == []  # a new daemon on the directory is reached again
+
+
 def _call(fn: Callable[[], Any]) -> BaseException | Any:
     try:
         return fn()

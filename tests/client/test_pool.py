@@ -109,10 +109,12 @@ def test_double_free_and_unknown_ids(kvd: RunningDaemon) -> None:
     _, pool = register(kvd)
     blocks = pool.alloc(4)
     pool.free(blocks[:1])
-    with pytest.raises(BadRequest, match="double free"):
+    with pytest.raises(BadRequest, match=f"block {blocks[0]} is not allocated .freed already"):
         pool.free(blocks[:1])
-    with pytest.raises(BadRequest):
+    with pytest.raises(BadRequest, match=f"block {pool.num_blocks} is not allocated"):
         pool.free([pool.num_blocks])
+    with pytest.raises(BadRequest, match="'x' is not a block id"):
+        pool.free(["x"])
     assert pool.num_used_blocks == 3
     pool.close()
 

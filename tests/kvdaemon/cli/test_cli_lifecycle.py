@@ -123,6 +123,15 @@ def cli() -> Iterator[Cli]:
         shutil.rmtree(runner.dir, ignore_errors=True)
 
 
+def test_a_capacity_off_whole_pages_is_rounded_down_and_says_so(cli: Cli) -> None:
+    done = cli.start("--backend", "host", "--capacity", "3MiB", "--page-size", "2MiB")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        f"kvdaemon running at {cli.dir} (pid {cli.daemon_pid()}, backend host, capacity 2.00 MiB; "
+        "the 3.00 MiB asked, rounded down to whole 2.00 MiB pages)"
+    )
+
+
 def test_start_status_stop(cli: Cli) -> None:
     done = cli.start()
     assert done.returncode == 0, done.stderr

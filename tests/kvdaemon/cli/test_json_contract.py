@@ -82,6 +82,7 @@ def test_tenant_commands_json_and_idempotence(cli: Cli) -> None:
             "name": "llama-a", "registered": True, "revision": 1, "max_bytes": 32 * MiB,
             "min_bytes": 0, "weight": 2.0, "over_limit_bytes": 0,
             "policy": {"max": "50%", "min": None, "weight": 2.0}, "clamped": [],
+            "logical_page_bytes": 4 * MiB,
         }  # fmt: skip
 
         slept = json_of(cli.run("sleep", "llama-a", "--json"))

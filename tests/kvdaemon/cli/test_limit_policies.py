@@ -41,6 +41,7 @@ def test_policies_before_registration_across_a_restart_and_against_the_config(
         "name": "qwen-b", "registered": False, "revision": None, "max_bytes": None,
         "min_bytes": None, "weight": None, "over_limit_bytes": None,
         "policy": {"max": "25%", "min": None, "weight": None}, "clamped": [],
+        "logical_page_bytes": None,
     }  # fmt: skip
     assert text_of(cli, "limit", "big", "--max", "20GiB") == [
         "big: not registered; policy max 20.0 GiB kept, applied when it registers",
@@ -77,6 +78,11 @@ def test_policies_before_registration_across_a_restart_and_against_the_config(
         owing = text_of(cli, "status")
         assert "llama-a: owes 8.00 MiB over its 4.00 MiB limit; cannot be slept (no quiesce hook)" in owing
         llama.free(blocks)
+        assert text_of(cli, "limit", "qwen-b", "--max", "3MiB") == [
+            "qwen-b: limit 3.00 MiB, min 0 B, weight 1 (revision 1; policy max 3.00 MiB)",
+            "qwen-b: a limit under its logical page (4.00 MiB) lets it map nothing; what it maps it gives back",
+        ]
+        assert json_of(cli.run("limit", "qwen-b", "--max", "4MiB", "--json"))["logical_page_bytes"] == 4 * MiB
     finally:
         llama.close()
         qwen.close()

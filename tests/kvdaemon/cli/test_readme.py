@@ -109,7 +109,7 @@ def test_limits_that_outlive_a_tenant_run_as_written(cli: Cli, env: dict[str, st
     out = done.stdout
     assert "qwen-b: not registered; policy max 64.0 MiB, min 16.0 MiB kept, applied when it registers" in out
     assert "qwen-b: max 1.00 TiB clamped to 256.0 MiB (above the capacity)" in out
-    assert "  llama-a: max 50% (config), weight 2 (config); not registered yet" in out
+    assert "  llama-a: max 50% (config), weight 2 (config); not registered (applied when it registers)" in out
     assert '"sources": {\n        "max": "limit",\n        "min": "limit"' in out  # after the restart
     assert "llama-a: not registered; policy max none, weight 2 kept" in out
     assert "llama-a: not registered; policy max 50%, weight 2 kept" in out

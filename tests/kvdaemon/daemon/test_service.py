@@ -225,6 +225,9 @@ GARBAGE: list[bytes] = [
     encode({"id": 1}),
     encode({"id": 1, "op": 5}),
     encode({"id": "x", "op": "status", "args": []}),
+    encode({"id": "x", "op": "set_limit", "args": {"name": "a", "max_bytes": 4 * PAGE_BYTES}}),
+    encode({"id": True, "op": "set_limit", "args": {"name": "b", "weight": 2.0}}),
+    b"\x91" * 100_000 + b"\x90",
     encode({"id": 1, "op": "nope", "args": {}}),
     encode({"id": 1, "op": "register", "args": {"name": 5}}),
     encode({"id": 1, "op": "register", "args": {"name": "a", "spec": "big"}}),
@@ -250,6 +253,19 @@ def test_garbage_gets_an_error_and_changes_nothing(h: Harness, payload: bytes) -
     for row in before["tenants"] + after["tenants"]:
         row.pop("idle_seconds")
     assert after == before
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (encode({"id": "x", "op": "status", "args": {}}), "field 'id' must be an integer, got str"),
+        (encode({"op": "status", "args": {}}), "field 'id' must be an integer, got NoneType"),
+        (b"\x91" * 100_000 + b"\x90", "undecodable message: nested too deeply"),
+    ],
+)
+def test_a_request_without_an_integer_id_is_refused_with_its_reason(h: Harness, payload: bytes, message: str) -> None:
+    reply = h.raw(payload)
+    assert reply == {"id": None, "ok": False, "error": {"code": "BAD_REQUEST", "message": message}}
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,26 @@ def test_reclaim_escalates_with_the_clock(h: Harness) -> None:
     assert routing_id == b"b" and decode(payload)["error"]["code"] == "NO_MEMORY"
 
 
+def test_victims_slept_counts_a_reclaim_sleep_once_it_is_done_not_when_asked(h: Harness) -> None:
+    a = h.register("a", sleepable=True)
+    b = h.register("b")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=[0, 1, 2, 3, 4, 5]))
+    h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2])))
+    h.tick(0.3)
+    h.tick(0.25)  # a is asked to sleep; it never quiesces
+    assert len(notices_to(h, a, "sleep")) == 1
+    assert h.ok("status")["counters"]["victims_slept"] == 0
+    h.tick(11.0)  # past sleep_timeout_s: that sleep is cancelled, nothing freed
+    assert h.ok("status")["counters"]["victims_slept"] == 0
+    h.service.dispatch(b"b", request(6, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2])))
+    h.tick(0.3)
+    h.tick(0.25)  # asked again; this time it quiesces
+    sleep_id = notices_to(h, a, "sleep")[-1]["sleep_id"]
+    h.ok("sleep_ready", **h.auth("a", a["token"], sleep_id=sleep_id))
+    counters = h.ok("status")["counters"]
+    assert (counters["victims_slept"], counters["sleeps"]) == (1, 1)
+
+
 def test_a_parked_grow_asks_its_victims_again_while_it_waits(h: Harness) -> None:
     a = h.register("a")
     b = h.register("b")
