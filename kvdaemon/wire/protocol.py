@@ -115,7 +115,7 @@ def decode(data: bytes, limits: DecodeLimits = MESSAGE_LIMITS) -> dict[str, Any]
     except msgpack.StackError:
         raise BadRequest("undecodable message: nested too deeply") from None
     except (ValueError, msgpack.UnpackException, TypeError) as exc:
-        raise BadRequest(f"undecodable message: {exc or type(exc).__name__}") from exc
+        raise BadRequest(f"undecodable message: {str(exc) or type(exc).__name__}") from exc
     if not isinstance(obj, dict):
         raise BadRequest(f"a message must be a map, got {type(obj).__name__}")
     return obj

@@ -261,6 +261,7 @@ def test_garbage_gets_an_error_and_changes_nothing(h: Harness, payload: bytes) -
         (encode({"id": "x", "op": "status", "args": {}}), "field 'id' must be an integer, got str"),
         (encode({"op": "status", "args": {}}), "field 'id' must be an integer, got NoneType"),
         (b"\x91" * 100_000 + b"\x90", "undecodable message: nested too deeply"),
+        (b"\xc1", "undecodable message: FormatError"),  # msgpack's own message is empty
     ],
 )
 def test_a_request_without_an_integer_id_is_refused_with_its_reason(h: Harness, payload: bytes, message: str) -> None:
