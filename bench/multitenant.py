@@ -49,6 +49,11 @@ elastic/static mean ratio read 1.12x and 1.16x over 2-3 repeats, 1.07x over 6);
 modes in ABBA order (static, elastic, elastic, static, ...: a drift of
 the machine's speed weighs on both alike), and the runs pooled (``pooled``):
 TTFT over every request, tokens over the summed makespans, preemptions summed.
+An overload seed's line also gives the throughput ratio of each repeat's pair
+(the two modes' runs side by side in the ABBA order) as a geometric mean with
+its 95% interval (``throughput_paired*`` in the results): the verdict reads the
+pooled ratio, and the interval says whether the machine's drift between runs
+could have decided it.
 
 The engines' forward runs on ``--torch-threads`` threads, by default one fewer
 than torch's own (one per physical core), so the daemon process and the pools' agent
@@ -83,7 +88,7 @@ import torch  # noqa: E402
 from engine import build_model  # noqa: E402
 from multitenant_replay import BLOCK, PAGE_BYTES, ModeRun, pooled, replay, summarize, third_bytes  # noqa: E402
 from plots import available, machine_caption, memory_plot, model_caption, ttft_plot  # noqa: E402
-from report import RESULTS_DIR, save, verdict  # noqa: E402
+from report import RESULTS_DIR, ratio_interval, save, verdict  # noqa: E402
 from traces import Arrival, TraceShape, bursty_trace, steady_trace  # noqa: E402
 
 from kvdaemon.client.local_pool import LocalPool  # noqa: E402
@@ -169,10 +174,19 @@ def _replay_repeats(
 
 def _pool(done: dict[str, list[ModeRun]], num_tenants: int) -> dict[str, Any]:
     runs = {mode: pooled(mode_runs) for mode, mode_runs in done.items()}
-    repeat_p99 = {mode: [summarize(run, num_tenants)["overall"]["ttft_p99_s"] for run in mode_runs]
-                  for mode, mode_runs in done.items()}
+    repeats = {mode: [summarize(run, num_tenants)["overall"] for run in mode_runs] for mode, mode_runs in done.items()}
     return {"runs": runs, "results": {mode: summarize(run, num_tenants) for mode, run in runs.items()},
-            "repeat_p99": repeat_p99}
+            "repeat_p99": {mode: [o["ttft_p99_s"] for o in overall] for mode, overall in repeats.items()},
+            "repeat_tokens_per_s": {mode: [o["tokens_per_s"] for o in overall] for mode, overall in repeats.items()}}
+
+
+def paired_throughput(repeat_tokens_per_s: dict[str, list[float]]) -> dict[str, float]:
+    """Elastic over static throughput per repeat (each repeat's two runs ran side by side),
+    as a geometric mean with its 95% interval (``report.ratio_interval``)."""
+    pairs = [e / s for s, e in zip(repeat_tokens_per_s["static"], repeat_tokens_per_s["elastic"])]
+    mean, low, high = ratio_interval(pairs)
+    return {"throughput_paired": mean, "throughput_paired_low": low, "throughput_paired_high": high,
+            "num_pairs": len(pairs)}
 
 
 def extra_repeats(results: dict[str, Any], third: int, logical_page: int, repeats: int, quiet_repeats: int) -> int:
@@ -256,6 +270,9 @@ def print_seed(cls: str, seed: str, results: dict[str, Any], r: dict[str, float]
           f"{s['ttft_p99_s']:>9.3f}{e['ttft_p99_s']:>9.3f}{floor}{s['tokens_per_s']:>9.0f}{e['tokens_per_s']:>9.0f}"
           f"{s['preemptions']:>7}{e['preemptions']:>7}  {r['ttft_mean']:5.2f}x {r['ttft_p99']:5.2f}x "
           f"{r['throughput']:5.3f}x  {'MISS ' + missed if missed else 'PASS'}")
+    if "throughput_paired" in r:
+        print(f"{'':<18}throughput paired by repeat: {r['throughput_paired']:.3f}x over {r['num_pairs']} pairs, "
+              f"95% interval {r['throughput_paired_low']:.3f}-{r['throughput_paired_high']:.3f}x")
 
 
 def print_worst(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -396,8 +413,9 @@ def main() -> None:
     for seed in overload_seeds:
         done = run_seed(models, steady_trace(shape, seed, rate, OVERLOAD_S), capacity, opts.budget,
                         opts.overload_repeats)
-        r = ratios(done["results"])
-        rows.append({"class": "overload", "seed": str(seed), "ratios": r, "results": done["results"]})
+        r = {**ratios(done["results"]), **paired_throughput(done["repeat_tokens_per_s"])}
+        rows.append({"class": "overload", "seed": str(seed), "ratios": r, "results": done["results"],
+                     "repeat_tokens_per_s": done["repeat_tokens_per_s"]})
         print_seed("overload", str(seed), done["results"], r)
     worst = print_worst(rows)
     save("multitenant", {"capacity_bytes": capacity, "third_bytes": third, "served_rps": served,

@@ -221,3 +221,17 @@ def test_a_tenant_without_requests_is_reported_as_not_measured() -> None:
     assert summary_["tenants"][0]["ttft_p99_s"] == 0.25
     idle = summary_["tenants"][1]
     assert idle["requests"] == 0 and math.isnan(idle["ttft_mean_s"]) and math.isnan(idle["ttft_p99_s"])
+
+
+def test_overload_throughput_is_paired_by_repeat_and_printed_with_its_interval(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    paired = multitenant.paired_throughput({"static": [100.0, 200.0, 100.0], "elastic": [101.0, 204.0, 103.0]})
+    assert paired["num_pairs"] == 3
+    assert paired["throughput_paired"] == pytest.approx((1.01 * 1.02 * 1.03) ** (1 / 3))
+    assert paired["throughput_paired_low"] < 1.01 and paired["throughput_paired_high"] > 1.03
+    results = {"static": summary(2.0, 7.0, 1500, 140), "elastic": summary(2.2, 6.9, 1530, 90)}
+    multitenant.print_seed("overload", "0", results, {**multitenant.ratios(results), **paired})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].rstrip().endswith("1.020x  PASS")
+    assert "throughput paired by repeat: 1.020x over 3 pairs, 95% interval" in lines[1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -35,3 +36,25 @@ def test_percentile_and_quantile_agree() -> None:
     samples = [((i * 37) % 101) / 1e3 for i in range(101)]
     for pct in (1, 50, 90, 99, 100):
         assert report.percentile_us(samples, pct) == pytest.approx(report.quantile(samples, pct / 100) * 1e6)
+
+
+def test_ratio_interval_is_the_geometric_mean_with_a_t_interval_over_the_logs() -> None:
+    mean, low, high = report.ratio_interval([0.5, 2.0])
+    assert mean == pytest.approx(1.0)
+    half = 12.706 * math.log(2.0) * math.sqrt(2) / math.sqrt(2)  # t(1 df) * stdev of (-ln2, ln2) / sqrt(2)
+    assert (low, high) == (pytest.approx(math.exp(-half)), pytest.approx(math.exp(half)))
+    mean, low, high = report.ratio_interval([1.02] * 10)
+    assert (mean, low, high) == (pytest.approx(1.02), pytest.approx(1.02), pytest.approx(1.02))
+    assert report.ratio_interval([0.9]) == (0.9, 0.9, 0.9)
+
+
+def test_ratio_interval_narrows_with_more_pairs_of_the_same_spread() -> None:
+    few = report.ratio_interval([0.98, 1.02] * 2)
+    many = report.ratio_interval([0.98, 1.02] * 20)
+    assert few[1] < many[1] < 1.0 < many[2] < few[2]
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, 0.0], [1.0, -2.0], [float("nan")]])
+def test_ratio_interval_refuses_no_ratios_and_ones_that_are_not_positive(bad: list[float]) -> None:
+    with pytest.raises(ValueError, match="paired ratios must be positive"):
+        report.ratio_interval(bad)
