@@ -301,8 +301,17 @@ def print_worst(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
                     f"{'PASS' if w['preemptions'] <= 0 else 'MISS'})")
         floor = 1.0 if cls == "overload" else THROUGHPUT
         print(f"worst {cls} ({len(mine)} seed(s)): {text}; throughput {w['throughput']:.3f}x "
-              f"(>= {floor}x {verdict(w['throughput'], floor, lower_is_better=False)})")
+              f"(>= {floor}x {verdict(w['throughput'], floor, lower_is_better=False)}){_interval_text(mine)}")
     return worst
+
+
+def _interval_text(mine: list[dict[str, float]]) -> str:
+    """The paired 95% interval of the seed with the worst pooled throughput, where it has one."""
+    worst = min(mine, key=lambda r: r["throughput"])
+    if "throughput_paired_low" not in worst:
+        return ""
+    return (f", its repeats paired {worst['throughput_paired']:.3f}x, 95% interval "
+            f"{worst['throughput_paired_low']:.3f}-{worst['throughput_paired_high']:.3f}x")
 
 
 def _reachable_text(mine: list[dict[str, float]], kept: list[float]) -> str:

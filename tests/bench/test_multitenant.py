@@ -235,3 +235,17 @@ def test_overload_throughput_is_paired_by_repeat_and_printed_with_its_interval(
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].rstrip().endswith("1.020x  PASS")
     assert "throughput paired by repeat: 1.020x over 3 pairs, 95% interval" in lines[1]
+
+
+def test_the_overload_worst_line_gives_the_worst_seeds_paired_interval(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [{"class": "overload", "ratios": {"throughput": t, "preemptions": -1, "ttft_p99": 1.0, "ttft_mean": 1.0,
+                                            "throughput_paired": t, "throughput_paired_low": t - 0.02,
+                                            "throughput_paired_high": t + 0.02}}
+            for t in (1.01, 0.98)]
+    worst = multitenant.print_worst(rows)
+    out = capsys.readouterr().out
+    assert worst["overload"]["throughput"] == 0.98
+    assert "throughput 0.980x (>= 1.0x MISS), its repeats paired 0.980x, 95% interval 0.960-1.000x" in out
+    del rows[1]["ratios"]["throughput_paired_low"]  # a row without pairs: no interval printed
+    multitenant.print_worst(rows)
+    assert "interval" not in capsys.readouterr().out.splitlines()[-1]
