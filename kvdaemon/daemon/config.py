@@ -238,6 +238,8 @@ def _read_toml(file: Path) -> tuple[dict[str, tuple[str, Any]], Any]:
         raise ConfigError(f"cannot read config file {file}: {err.strerror}") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {file} is not valid TOML: {err}") from err
+    except UnicodeDecodeError as err:  # TOML is UTF-8 text
+        raise ConfigError(f"config file {file} is not valid TOML: not UTF-8 text (byte {err.start})") from err
     tenants = table.pop("tenants", None)
     return _normalised(table, f"config file {file}: key"), tenants
 

@@ -53,10 +53,19 @@ def read_policies(path: Path) -> dict[str, Policy]:
         return {}
     except OSError as err:
         raise _unreadable(path, err.strerror or str(err)) from err
-    with os.fdopen(fd, "rb") as stream:
-        if not stat.S_ISREG(os.fstat(stream.fileno()).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory
             raise _unreadable(path, "not a regular file")
-        data = stream.read(MAX_FILE_BYTES + 1)
+        data = b""
+        while len(data) <= MAX_FILE_BYTES:
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    except OSError as err:
+        raise _unreadable(path, err.strerror or str(err)) from err
+    finally:
+        os.close(fd)
     if len(data) > MAX_FILE_BYTES:
         raise _unreadable(path, f"larger than {MAX_FILE_BYTES} bytes")
     try:

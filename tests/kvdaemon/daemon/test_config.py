@@ -439,3 +439,10 @@ def test_the_example_config_shows_a_tenant_table_that_loads(tmp_path: Path) -> N
     table = "\n".join(line.removeprefix("# ") for line in text[start:].splitlines())
     config = load_config({}, {}, write_toml(tmp_path, table))
     assert config.tenant_policies["llama-a"].to_json() == {"max": "40%", "min": 4 * GiB, "weight": 2.0}
+
+
+def test_a_config_file_that_is_not_utf8_is_refused_as_not_toml(tmp_path: Path) -> None:
+    file = tmp_path / "kvdaemon.toml"
+    file.write_bytes(b'capacity = "1GiB"\n\xff\xfe\n')
+    with pytest.raises(ConfigError, match=r"is not valid TOML: not UTF-8 text \(byte 18\)"):
+        load_config({}, {}, file)

@@ -15,6 +15,7 @@ from kvdaemon.daemon.policies import (
     request_policy,
 )  # fmt: skip
 from kvdaemon.daemon.policy_book import PolicyBook
+from kvdaemon.daemon import policy_file
 from kvdaemon.daemon.policy_file import read_policies, write_policies
 from kvdaemon.errors import BadRequest, ConfigError, KVDaemonError
 from kvdaemon.wire.sizes import parse_size
@@ -200,3 +201,19 @@ def test_a_bad_file_is_refused_with_how_to_recover(tmp_path: Path, text: str, fr
         read_policies(path)
     assert fragment in err.value.message
     assert "remove it to forget the policies set with `kvdaemon limit`" in err.value.message
+
+
+def test_a_directory_in_the_files_place_is_refused_with_how_to_recover(tmp_path: Path) -> None:
+    path = tmp_path / "policies.json"
+    path.mkdir()
+    with pytest.raises(ConfigError) as err:
+        read_policies(path)
+    assert "not a regular file" in err.value.message
+    assert "remove it to forget the policies set with `kvdaemon limit`" in err.value.message
+
+
+def test_a_file_past_the_size_cap_is_refused_without_reading_it_all(tmp_path: Path) -> None:
+    path = tmp_path / "policies.json"
+    path.write_bytes(b" " * (policy_file.MAX_FILE_BYTES + 10))
+    with pytest.raises(ConfigError, match=f"larger than {policy_file.MAX_FILE_BYTES} bytes"):
+        read_policies(path)
