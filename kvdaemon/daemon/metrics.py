@@ -133,7 +133,8 @@ def _sleep_and_reclaim(status: dict[str, Any]) -> Iterator[Metric]:
     counters = status.get("counters", {})
     for key, doc in (("sleeps", "Tenants put to sleep."), ("wakes", "Tenants woken."),
                      ("reclaim_requests", "Reclaim requests sent to tenants."),
-                     ("victims_slept", "Idle tenants slept to serve another's grow.")):  # fmt: skip
+                     ("victims_slept", "Idle tenants slept to serve another's grow."),
+                     ("never_attached", "Registered tenants dropped without ever attaching.")):  # fmt: skip
         yield CounterMetricFamily(f"kvdaemon_{key}", doc, value=counters.get(key, 0))
 
 

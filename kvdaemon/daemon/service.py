@@ -45,7 +45,8 @@ from kvdaemon.daemon.reclaim import Reclaimer
 from kvdaemon.daemon.reply import Call, PendingReply, ReplySink
 from kvdaemon.daemon.shares import Shares
 from kvdaemon.daemon.sleep import MAX_CACHED_BUFFER_BYTES, Sleeper
-from kvdaemon.daemon.tenant import Tenant, Tenants, WireSpec, check_name
+from kvdaemon.daemon.log_throttle import LogThrottle
+from kvdaemon.daemon.tenant import MAX_TENANTS, MAX_UNATTACHED, Tenant, Tenants, WireSpec, check_name
 from kvdaemon.daemon.tenant_log import ActivityLog, log_registered, log_removed
 from kvdaemon.errors import (
     BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
@@ -100,6 +101,8 @@ class Service:
             self.tenants, self.policies, self.grants, leases, self.pages.capacity_bytes
         )
         self.activity = ActivityLog()
+        self.warnings = LogThrottle(log)  # removals of tenants that never attached: a flood is one line
+        self.num_never_attached = 0  # tenants dropped without ever attaching (timed out or evicted)
         for name in self.policies.names():
             sources = ", ".join(f"{f} from {src}" for f, src in self.policies.sources(name).items())
             log.info("operator policy of %s: %s (%s)", name,
@@ -194,6 +197,7 @@ class Service:
         self._check_fits(spec, own.max_bytes)
         if name in self.tenants:
             raise Conflict(f"a tenant named {name!r} is already registered")
+        self._make_room()
         bounded = self.limiter.for_registration(name, own)  # its own limits under the policy
         limits = bounded.limits
         tenant = Tenant(
@@ -210,6 +214,24 @@ class Service:
             "page_size": self.pages.page_size_bytes, "num_segments": spec.num_segments,
             "backend": self.backend.name, "max_bytes": limits.max_bytes, "limit": tenant.limits(),
         }
+
+    def _make_room(self) -> None:
+        """Room for one more tenant: past ``MAX_UNATTACHED`` tenants waiting to attach their
+        handle channel the oldest of them is dropped (an honest one attaches within
+        milliseconds of its register), so registrations never attached cannot keep a new
+        tenant out; ``Conflict`` at ``MAX_TENANTS``. O(tenants)."""
+        waiting = self.tenants.unattached()
+        for tenant in waiting[: max(0, len(waiting) - MAX_UNATTACHED + 1)]:
+            self._drop_unattached(tenant, "evicted", f"evicted: {len(waiting)} tenants were waiting to attach")
+        if len(self.tenants) >= MAX_TENANTS:
+            raise Conflict(f"the daemon holds its most tenants, {MAX_TENANTS}; unregister one first")
+
+    def _drop_unattached(self, tenant: Tenant, kind: str, why: str) -> None:
+        """Forget a tenant that never attached (it holds no page); the log says so at most once
+        per ``kind`` every ``LogThrottle`` interval, with the count of the others."""
+        self.remove(tenant, why, clean=False, logged=False)
+        self.num_never_attached += 1
+        self.warnings.warning(kind, "tenant %s (pid %d) removed: %s", tenant.name, tenant.pid, why)
 
     def _check_fits(self, spec: WireSpec, max_bytes: int | None) -> None:
         """``BadRequest`` for a spec that could never hold one logical page here."""
@@ -328,7 +350,7 @@ class Service:
             raise Forbidden(f"a grant channel of {name!r} must come from the process holding its lease")
         return tenant.tenant_id
 
-    def remove(self, tenant: Tenant, why: str, clean: bool = True) -> int:
+    def remove(self, tenant: Tenant, why: str, clean: bool = True, logged: bool = True) -> int:
         """Forget ``tenant`` and free every page it holds; return the pages freed.
 
         Frees them only when the tenant no longer maps them: it unregistered
@@ -340,7 +362,8 @@ class Service:
         num_pages = 0 if held else self.grants.release_all(tenant)
         self.sleeper.forget(tenant)
         self.tenants.remove(tenant)
-        log_removed(tenant, num_pages, why, clean)
+        if logged:
+            log_removed(tenant, num_pages, why, clean)
         return num_pages
 
     def tick(self, now: float) -> None:
@@ -348,9 +371,9 @@ class Service:
         serve parked grows, the idle policy."""
         for tenant in self.tenants:
             if not tenant.leased and now - tenant.registered_at > self.config.attach_timeout_s:
-                timeout_s = self.config.attach_timeout_s
-                why = f"it never attached its handle channel within {timeout_s:g} s"
-                self.remove(tenant, why, clean=False)
+                self._drop_unattached(tenant, "unattached", f"it never attached its handle channel within "
+                                                            f"{self.config.attach_timeout_s:g} s")
+        self.warnings.flush()
         self.sleeper.expire(now)
         self.quarantine.sweep()
         self.pages.trim(now)
@@ -376,7 +399,7 @@ class Service:
             "free_bytes": self.pages.free_bytes,
             "quarantined_bytes": self.quarantine.held_bytes,
             "host_bytes": sum(int(t["host_bytes"]) for t in tenants),
-            "counters": {**self.reclaimer.stats(), **self.sleeper.stats()},
+            "counters": {**self.reclaimer.stats(), **self.sleeper.stats(), "never_attached": self.num_never_attached},
             "tenants": tenants,
             "policies": self.policies.rows(t["name"] for t in tenants),
         }

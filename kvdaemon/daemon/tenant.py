@@ -225,6 +225,10 @@ class Tenant:
         }
 
 
+MAX_TENANTS = 1024  # registered at once: a register past it is refused (``Conflict``)
+MAX_UNATTACHED = 64  # registered but not yet attached: a register past it drops the oldest of them
+
+
 class Tenants:
     """The registered tenants, by name and by id. O(1) lookups."""
 
@@ -267,6 +271,11 @@ class Tenants:
 
     def get(self, tenant_id: int) -> Tenant | None:
         return self._by_id.get(tenant_id)
+
+    def unattached(self) -> list[Tenant]:
+        """Tenants whose handle channel is not attached yet, oldest registration first.
+        O(tenants log tenants)."""
+        return sorted((t for t in self._by_name.values() if not t.leased), key=lambda t: t.registered_at)
 
     def guaranteed_bytes(self, other_than: Tenant | None = None) -> int:
         """The sum of ``min_bytes`` over tenants other than ``other_than``."""

@@ -210,6 +210,7 @@ def test_status_json_is_the_status_object(cli: Cli) -> None:
     assert status["host_bytes"] == 0
     assert status["counters"] == {
         "parked_grows": 0, "reclaim_requests": 0, "victims_slept": 0, "sleeps": 0, "wakes": 0,
+        "never_attached": 0,
     }
 
 

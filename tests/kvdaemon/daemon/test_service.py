@@ -13,6 +13,7 @@ import pytest
 from kvdaemon.cuda_vmm import HostBackend
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.daemon.policy_book import PolicyBook
+from kvdaemon.daemon import service as service_module
 from kvdaemon.daemon.service import Service
 from kvdaemon.wire.protocol import PROTOCOL_VERSION, decode, encode, request
 
@@ -380,3 +381,33 @@ def test_a_request_refused_as_a_whole_is_answered_under_its_id(h: Harness) -> No
     under the request's id, so the sender is answered rather than left to time out."""
     reply = h.raw(request(31, "register", {"name": "x" * 5000, "spec": {}}))
     assert (reply["id"], reply["ok"], reply["error"]["code"]) == (31, False, "BAD_REQUEST")
+
+
+def test_registrations_never_attached_cannot_keep_a_new_tenant_out(
+    h: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(service_module, "MAX_UNATTACHED", 4)
+    honest = h.register("honest")
+    for i in range(10):  # squatters: registered, never attached
+        h.clock.advance(0.01)
+        h.register(f"sq{i}", leased=False)
+    names = [t.name for t in h.service.tenants]
+    assert names == ["honest", "sq6", "sq7", "sq8", "sq9"]  # at most 4 wait: the oldest went; the attached stays
+    late = h.register("late")  # and a new tenant still gets in, and attaches
+    assert late["tenant_id"] > honest["tenant_id"]
+    status = h.ok("status")
+    assert status["counters"]["never_attached"] == 7
+    evicted = [r.getMessage() for r in caplog.records if "evicted" in r.getMessage()]
+    assert evicted == ["tenant sq0 (pid 0) removed: evicted: 4 tenants were waiting to attach"]  # one line a while
+
+
+def test_the_daemon_holds_at_most_max_tenants(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service_module, "MAX_TENANTS", 3)
+    for name in ("a", "b", "c"):
+        h.register(name)
+    reply = h.call("register", name="d", spec=small_spec().to_wire(), num_virtual_pages=8)
+    assert reply["error"]["code"] == "CONFLICT"
+    assert reply["error"]["message"] == "the daemon holds its most tenants, 3; unregister one first"
+    assert "d" not in h.service.tenants
+    h.ok("unregister", **h.auth("a", h.service.tenants.find("a").token))
+    h.register("d")
