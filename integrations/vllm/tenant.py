@@ -107,10 +107,9 @@ def register_tenant(config: PluginConfig, spec: KVSpec) -> VllmTenant:
         return existing
     client = KVClient(config.dir)
     try:
-        capacity = int(client.hello()["capacity_bytes"])
+        max_bytes, min_bytes = config.limits(int(client.hello()["capacity_bytes"]))
         pool = client.register(
-            config.tenant, spec, max_bytes=config.max_bytes(capacity),
-            min_bytes=config.min_bytes(capacity), weight=config.weight, grow_wait_s=0,
+            config.tenant, spec, max_bytes=max_bytes, min_bytes=min_bytes, weight=config.weight, grow_wait_s=0,
         )
     except BaseException:
         client.close()

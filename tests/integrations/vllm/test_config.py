@@ -38,10 +38,35 @@ def test_defaults() -> None:
     ("KVDAEMON_VLLM_MIN", "150%", "KVDAEMON_VLLM_MIN='150%'"),
     ("KVDAEMON_VLLM_WEIGHT", "0", "KVDAEMON_VLLM_WEIGHT='0': a weight is a positive number"),
     ("KVDAEMON_VLLM_WEIGHT", "nan", "KVDAEMON_VLLM_WEIGHT='nan'"),
+    ("KVDAEMON_VLLM_WEIGHT", "1e7", r"KVDAEMON_VLLM_WEIGHT='1e7': a weight is within \[1e-06, 1e\+06\]"),
+    ("KVDAEMON_VLLM_WEIGHT", "1e-9", r"KVDAEMON_VLLM_WEIGHT='1e-9': a weight is within"),
+    ("KVDAEMON_VLLM_MAX", "0", "KVDAEMON_VLLM_MAX='0': a limit of 0 bytes leaves the engine no KV cache"),
+    ("KVDAEMON_VLLM_MAX", "0%", "KVDAEMON_VLLM_MAX='0%': a limit of 0 bytes"),
+    ("KVDAEMON_VLLM_TENANT", "bad name!", "KVDAEMON_VLLM_TENANT='bad name!': a tenant name is 1-128 characters"),
+    ("KVDAEMON_VLLM_TENANT", "x" * 129, "KVDAEMON_VLLM_TENANT='x{129}': a tenant name"),
 ])
 def test_a_bad_value_names_its_variable(var: str, value: str, reason: str) -> None:
     with pytest.raises(ConfigError, match=reason):
         PluginConfig.from_env({"KVDAEMON_VLLM_TENANT": "a", var: value})
+
+
+def test_none_is_no_limit_as_for_kvdaemon_limit() -> None:
+    config = PluginConfig.from_env({"KVDAEMON_VLLM_TENANT": "a", "KVDAEMON_VLLM_MAX": "None",
+                                    "KVDAEMON_VLLM_MIN": "none"})
+    assert config == PluginConfig(tenant="a")
+    assert config.limits(1 << 30) == (None, 0)
+
+
+def test_a_guarantee_above_the_limit_is_refused_once_both_are_resolved() -> None:
+    config = PluginConfig.from_env({"KVDAEMON_VLLM_TENANT": "a", "KVDAEMON_VLLM_MAX": "10%",
+                                    "KVDAEMON_VLLM_MIN": "8MiB"})
+    assert config is not None
+    assert config.limits(100 << 20) == (10 << 20, 8 << 20)  # 10% of 100 MiB is above 8 MiB
+    with pytest.raises(ConfigError) as err:
+        config.limits(50 << 20)  # 10% of 50 MiB is not
+    assert err.value.message == (
+        "KVDAEMON_VLLM_MIN means 8.00 MiB, above KVDAEMON_VLLM_MAX's 5.00 MiB (against this daemon's "
+        "50.0 MiB): a guarantee cannot exceed the limit")
 
 
 def engine_config(**parallel: Any) -> SimpleNamespace:

@@ -317,9 +317,14 @@ def test_huge_grow_is_refused_before_any_work(h: Harness) -> None:
 
 def test_a_spec_that_could_never_hold_a_page_is_refused_at_registration(h: Harness) -> None:
     big = small_spec(num_layers=2048).to_wire()  # 4096 segments: one logical page is 8 GiB
-    assert h.error("register", name="big", spec=big, num_virtual_pages=1) == "BAD_REQUEST"
+    reply = h.call("register", name="big", spec=big, num_virtual_pages=1)
+    assert reply["error"]["code"] == "BAD_REQUEST"
+    assert "more than the 33554432 bytes it could ever hold here: use fewer layers" in reply["error"]["message"]
     small = small_spec().to_wire()  # 2 segments: 4 MiB a logical page, above its own limit
-    assert h.error("register", name="tiny", spec=small, num_virtual_pages=1, max_bytes=PAGE_BYTES) == "BAD_REQUEST"
+    reply = h.call("register", name="tiny", spec=small, num_virtual_pages=1, max_bytes=PAGE_BYTES)
+    assert reply["error"] == {"code": "BAD_REQUEST", "message": (
+        f"one logical page of this spec takes {2 * PAGE_BYTES} bytes (2 segments of a {PAGE_BYTES}-byte page), "
+        f"more than its max_bytes of {PAGE_BYTES}: it could never map a block; raise its limit")}
     assert h.ok("status")["tenants"] == []
 
 
