@@ -131,8 +131,9 @@ class Limiter:
         if tenant is None:
             bounded = bound(OwnLimits(None, 0, 1.0), policy, self.capacity_bytes)
             self.policies.store(name, layer)
+            # unsettled: a removed field reads 'max none', which says what it overrides
             log.info("policy of %s (not registered) is now %s%s; applied when it registers",
-                     name, policy.settled().describe(), _clamps(bounded))  # fmt: skip
+                     name, policy.describe(), _clamps(bounded))  # fmt: skip
             return {"result": "stored", "registered": False, "revision": None, "changed": True,
                     **self._report(name, bounded, registered=False)}  # fmt: skip
         assert tenant.own is not None

@@ -55,6 +55,8 @@ def test_registration_says_spec_limits_and_policy(h: Harness, caplog: pytest.Log
         f"tenant b registered (id 2, pid 0): {SPEC}; max 8.00 MiB, min 8.00 MiB, weight 2; "
         "operator policy: max 25%, weight 2; min 12.0 MiB clamped to 8.00 MiB (above the max)"
     ))]  # fmt: skip
+    h.ok("set_limit", name="c", max="none")  # a removed limit (over a config file's, say) is named, not hidden
+    assert lines(caplog) == [("INFO", "policy of c (not registered) is now max none; applied when it registers")]
 
 
 def test_a_limit_change_says_who_what_and_what_is_owed(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
