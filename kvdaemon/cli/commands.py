@@ -114,13 +114,15 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
         "log_file": str(config.log_file or config.paths.log_file),
         "metrics_address": config.metrics_address,
     }  # fmt: skip
-    wanted = config.capacity.exact_bytes
+    wanted, capacity = config.capacity.exact_bytes, format_bytes(info["capacity_bytes"])
     rounded = ""
     if wanted is not None and wanted != info["capacity_bytes"]:
-        rounded = f"; the {format_bytes(wanted)} asked, rounded down to whole {format_bytes(info['page_size'])} pages"
+        asked = format_bytes(wanted)
+        if asked == capacity:  # too close to tell apart rounded: say the bytes
+            asked, capacity = f"{wanted} B", f"{capacity} ({info['capacity_bytes']} B)"
+        rounded = f"; the {asked} asked, rounded down to whole {format_bytes(info['page_size'])} pages"
     emit(as_json, result, (
-        f"kvdaemon running at {config.dir} (pid {pid}, backend {info['backend']}, "
-        f"capacity {format_bytes(info['capacity_bytes'])}{rounded})"
+        f"kvdaemon running at {config.dir} (pid {pid}, backend {info['backend']}, capacity {capacity}{rounded})"
     ))  # fmt: skip
 
 

@@ -224,7 +224,8 @@ def _parse_from(source: str, parse: Callable[[Any], Any], raw: Any) -> Any:
     try:
         return parse(raw)
     except ConfigError as err:
-        given = "" if str(raw) in err.message else f" (given {raw!r})"
+        shown = repr(raw) if len(repr(raw)) <= 80 else repr(raw)[:77] + "..."  # a whole table can be long
+        given = "" if str(raw) in err.message else f" (given {shown})"
         raise ConfigError(f"{source}: {err.message}{given}") from err
 
 

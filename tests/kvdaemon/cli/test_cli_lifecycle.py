@@ -130,6 +130,13 @@ def test_a_capacity_off_whole_pages_is_rounded_down_and_says_so(cli: Cli) -> Non
         f"kvdaemon running at {cli.dir} (pid {cli.daemon_pid()}, backend host, capacity 2.00 MiB; "
         "the 3.00 MiB asked, rounded down to whole 2.00 MiB pages)"
     )
+    cli.run("stop", timeout_s=30)
+    done = cli.start("--backend", "host", "--capacity", "64MiB", "--page-size", "48KiB")  # 63.98 MiB: shows 64.0
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        f"kvdaemon running at {cli.dir} (pid {cli.daemon_pid()}, backend host, capacity 64.0 MiB (67092480 B); "
+        "the 67108864 B asked, rounded down to whole 48.0 KiB pages)"
+    )
 
 
 def test_start_status_stop(cli: Cli) -> None:

@@ -446,3 +446,12 @@ def test_a_config_file_that_is_not_utf8_is_refused_as_not_toml(tmp_path: Path) -
     file.write_bytes(b'capacity = "1GiB"\n\xff\xfe\n')
     with pytest.raises(ConfigError, match=r"is not valid TOML: not UTF-8 text \(byte 18\)"):
         load_config({}, {}, file)
+
+
+def test_a_bad_tenants_table_is_named_without_repeating_all_of_it(tmp_path: Path) -> None:
+    long_name = "x" * 300
+    file = write_toml(tmp_path, f'[tenants."{long_name}"]\nmax = "1GiB"\n')
+    with pytest.raises(ConfigError) as err:
+        load_config({}, {}, file)
+    assert "tenant name" in err.value.message
+    assert err.value.message.count(long_name) <= 1  # the name once, not the table again
