@@ -86,6 +86,10 @@ class _StatusCollector:
                      status["capacity_bytes"])  # fmt: skip
         yield _gauge("kvdaemon_free_bytes", "Bytes of the pool not mapped by any tenant.",
                      status["free_bytes"])  # fmt: skip
+        yield _gauge("kvdaemon_quarantined_bytes", "Bytes of departed tenants held until their processes "
+                     "unmap them.", status.get("quarantined_bytes", 0))  # fmt: skip
+        yield _gauge("kvdaemon_parked_grows", "Grows waiting now for pages other tenants give back.",
+                     status.get("counters", {}).get("parked_grows", 0))  # fmt: skip
         yield from _tenant_gauges(status["tenants"])
         yield from _sleep_and_reclaim(status)
 

@@ -191,9 +191,14 @@ def test_states_host_bytes_and_sleep_counters(metrics: Metrics, fake: FakeDaemon
     fake.status = {
         **make_status([make_tenant("llama-a", 2 * MiB, 0, 32 * MiB), sleeper]),
         "host_bytes": 6 * MiB,
-        "counters": {"sleeps": 3, "wakes": 2, "reclaim_requests": 5, "victims_slept": 1},
+        "counters": {"sleeps": 3, "wakes": 2, "reclaim_requests": 5, "victims_slept": 1, "never_attached": 4,
+                     "parked_grows": 2},
+        "quarantined_bytes": 4 * MiB,
     }
     samples = scrape(metrics)
+    assert samples[("kvdaemon_never_attached_total", ())] == 4
+    assert samples[("kvdaemon_parked_grows", ())] == 2
+    assert samples[("kvdaemon_quarantined_bytes", ())] == 4 * MiB
     assert samples[("kvdaemon_tenant_state", (("state", "sleeping-warm"), ("tenant", "qwen-b")))] == 1
     assert samples[("kvdaemon_tenant_state", (("state", "active"), ("tenant", "llama-a")))] == 1
     assert samples[("kvdaemon_tenant_host_bytes", (("tenant", "qwen-b"),))] == 6 * MiB
