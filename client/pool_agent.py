@@ -39,9 +39,10 @@ and forth), returns
 excess spare pages, retries unconfirmed returns, and tells the daemon
 ``used_bytes``, whether the pool can be quiesced and whether the engine
 stepped, when they changed (used bytes and activity at most every ``REPORT_MIN_S``:
-a busy engine changes them every step). When the daemon is gone it keeps the pool
-serving from its mappings (``DETACHED``) and re-registers with the next daemon
-(``pool_reconnect``).
+a busy engine changes them every step), and at least every ``IDLE_HEARTBEAT_S`` (5 s)
+when nothing did, so the daemon can tell a silent (stopped, hung) process from an idle
+one. When the daemon is gone it keeps the pool serving from its mappings
+(``DETACHED``) and re-registers with the next daemon (``pool_reconnect``).
 
 An exception in a user hook or a failed request is logged and the agent goes
 on: it never dies silently. Cost: nothing on the engine's hot path.
@@ -69,6 +70,7 @@ log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
 OWED_S = 1.0  # an urgent ask's debt lapses this long after the last one (the daemon's STARVED_S)
 REPORT_MIN_S = HEARTBEAT_S  # changed figures (used bytes, activity) are told at most this often
+IDLE_HEARTBEAT_S = 5.0  # told at least this often, changed or not: the daemon's sign of life (``silent_seconds``)
 GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon, then twice as late each time
 GROW_RETRY_MAX_S = 1.0  # ... up to this (a ``free`` notice ends the wait sooner)
 
@@ -250,7 +252,9 @@ class PoolAgent:
             self._active_at = now
         self._active, core.active = self._active or core.active, False
         urgent = self._reported is None or report[1] != self._reported[1]  # sleepable: told at once
-        if urgent or ((report != self._reported or self._active) and now >= self._report_at):
+        due = now >= self._report_at and (report != self._reported or self._active
+                                          or now - self._report_at >= IDLE_HEARTBEAT_S - REPORT_MIN_S)
+        if urgent or due:
             reply = core.lease.heartbeat(used_bytes=report[0], sleepable=report[1], active=self._active)
             core.fair_bytes, core.ahead_room_bytes = (
                 value if type(value) is int and value >= 0 else None

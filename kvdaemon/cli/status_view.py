@@ -22,6 +22,7 @@ from rich.text import Text
 
 from kvdaemon.wire.sizes import format_bytes, format_bytes_short
 
+SILENT_S = 15.0  # three of a pool's idle heartbeats missed (``pool_agent.IDLE_HEARTBEAT_S``)
 COLUMNS = ("name", "pid", "state", "mapped", "in use", "limit", "min", "weight", "idle")
 NUMERIC = {"pid", "mapped", "in use", "limit", "min", "weight", "idle"}
 NAME_WIDTH = 16
@@ -121,6 +122,9 @@ def tenant_notes(tenant: dict[str, Any]) -> list[str]:
                      f"fair share {format_bytes(int(tenant['fair_bytes']))})")
     if cannot_sleep(tenant):
         notes.append("cannot be slept (no quiesce hook)")
+    silent = float(tenant.get("silent_seconds", 0.0))
+    if silent >= SILENT_S:
+        notes.append(f"silent for {format_duration(silent)} (pools tell the daemon every 5 s): stopped or hung?")
     return notes
 
 

@@ -159,6 +159,7 @@ class Service:
         tenant = self.tenants.named(args.str("tenant"))
         if not _same_token(args.str("token", 128), tenant.token):
             raise Forbidden(f"wrong token for tenant {tenant.name!r}")
+        tenant.heard_at = self.clock()
         return tenant
 
     def _by_name(self, args: Args) -> Tenant:

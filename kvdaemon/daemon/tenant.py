@@ -138,6 +138,8 @@ class Tenant:
     last_sleep: tuple[int, dict[str, Any]] | None = None  # (sleep_id, result): replayed on retry
     registered_wall: float = field(default_factory=time.time)
     last_active: float = 0.0
+    heard_at: float = 0.0  # the service's clock at its last request with its token (a pool's agent
+    # heartbeats at least every ``IDLE_HEARTBEAT_S``, so a long silence is a stopped or hung process)
     peak_mapped_bytes: int = 0
     num_refused_grows: int = 0
     starved_at: float = float("-inf")  # when a grow of it last found too few pages free
@@ -150,7 +152,7 @@ class Tenant:
     own: OwnLimits | None = None  # what it asked for itself; default: the limits it has
 
     def __post_init__(self) -> None:
-        self.last_active = self.registered_at
+        self.last_active = self.heard_at = self.registered_at
         if self.own is None:
             self.own = OwnLimits(self.max_bytes, self.min_bytes, self.weight)
 
@@ -213,6 +215,7 @@ class Tenant:
             "min_bytes": self.min_bytes,
             "weight": self.weight,
             "idle_seconds": round(now - self.last_active, 3),
+            "silent_seconds": round(now - self.heard_at, 3),
             "host_bytes": 0 if self.warm is None else self.warm.host_bytes,
             "num_segments": self.spec.num_segments,
             "limit_revision": self.limit_revision,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -276,3 +277,16 @@ def test_requests_the_daemon_could_never_take_are_refused_before_sending(kvd: Ru
         client.register("a", SPEC, virtual_bytes=1 << 62)
     with pytest.raises(BadRequest, match="max_str_len"):
         client.register("x" * 5000, SPEC)  # answered by the daemon, under its id: no timeout
+
+
+def test_an_idle_pool_still_tells_the_daemon_it_lives(kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_agent, "IDLE_HEARTBEAT_S", 1.5)  # 5 s in service
+    client, pool = register(kvd)
+    pool.alloc(10)  # one change told, then nothing changes
+    silences = []
+    for _ in range(8):  # 4 s: without the idle heartbeat the silence would only grow
+        time.sleep(0.5)
+        silences.append(tenant_row(client, "a")["silent_seconds"])
+    assert max(silences) < 3.0, silences
+    assert any(b < a for a, b in zip(silences, silences[1:])), f"never heard again: {silences}"
+    pool.close()

@@ -132,3 +132,10 @@ def test_the_header_says_how_many_are_shown_and_what_is_quarantined() -> None:
     assert lines[1].endswith("page 2.00 MiB, 1 of 2 tenant(s) shown")
     assert lines[2].startswith("quarantined 3.00 MiB: pages of ended leases")
     assert len(status_view.header_lines(Path("/tmp/kvd"), make_status([make_tenant()]), 1)) == 2
+
+
+def test_a_tenant_silent_for_three_heartbeats_is_noted() -> None:
+    stopped = make_tenant(name="stopped", silent_seconds=42.0)
+    quiet = make_tenant(name="quiet", silent_seconds=4.9)  # between two heartbeats: nothing to say
+    lines = rendered(make_status([quiet, stopped])).splitlines()
+    assert lines[5:] == ["stopped: silent for 42s (pools tell the daemon every 5 s): stopped or hung?"]

@@ -416,3 +416,14 @@ def test_the_daemon_holds_at_most_max_tenants(h: Harness, monkeypatch: pytest.Mo
     assert "d" not in h.service.tenants
     h.ok("unregister", **h.auth("a", h.service.tenants.find("a").token))
     h.register("d")
+
+
+def test_silent_seconds_count_from_a_tenants_last_request_with_its_token(h: Harness) -> None:
+    reg = h.register("a")
+    h.clock.advance(30)
+    assert h.ok("status")["tenants"][0]["silent_seconds"] == 30
+    h.error("heartbeat", **h.auth("a", "0" * 32))  # a wrong token is not the tenant speaking
+    assert h.ok("status")["tenants"][0]["silent_seconds"] == 30
+    h.ok("heartbeat", **h.auth("a", reg["token"]))
+    h.clock.advance(2)
+    assert h.ok("status")["tenants"][0]["silent_seconds"] == 2
