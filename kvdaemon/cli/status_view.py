@@ -54,6 +54,9 @@ def header_lines(dir: Path, status: dict[str, Any], num_registered: int | None =
     if status.get("quarantined_bytes"):
         lines.append(f"quarantined {format_bytes(status['quarantined_bytes'])}: pages of ended leases "
                      "whose processes may still map them, freed when those processes exit")
+    never = int(status.get("counters", {}).get("never_attached", 0))
+    if never:
+        lines.append(f"{never} registration(s) dropped without ever attaching (a client that died, or a flood)")
     return lines
 
 
@@ -103,12 +106,14 @@ def owed_bytes(tenant: dict[str, Any]) -> int:
 
 
 def cannot_sleep(tenant: dict[str, Any]) -> bool:
-    """An active tenant whose engine cannot be quiesced: `kvdaemon sleep` is refused."""
-    return tenant.get("state") == "active" and tenant.get("sleepable") is False
+    """An active, attached tenant whose engine cannot be quiesced: `kvdaemon sleep` is refused."""
+    return tenant.get("state") == "active" and tenant.get("sleepable") is False and tenant.get("attached") is not False
 
 
 def tenant_notes(tenant: dict[str, Any]) -> list[str]:
     """What needs an operator's attention about ``tenant`` (empty when nothing does)."""
+    if tenant.get("attached") is False:
+        return ["registered; its handle channel is not attached yet (dropped if it never is)"]
     notes = []
     owed = owed_bytes(tenant)
     if owed:

@@ -28,6 +28,7 @@ import os
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,9 @@ from kvdaemon.daemon.reply import Call, PendingReply, ReplySink
 from kvdaemon.daemon.shares import Shares
 from kvdaemon.daemon.sleep import MAX_CACHED_BUFFER_BYTES, Sleeper
 from kvdaemon.daemon.log_throttle import LogThrottle
-from kvdaemon.daemon.tenant import MAX_TENANTS, MAX_UNATTACHED, Tenant, Tenants, WireSpec, check_name
+from kvdaemon.daemon.tenant import (
+    MAX_TENANTS, MAX_UNATTACHED, MAX_UNATTACHED_PER_CONN, Tenant, Tenants, WireSpec, check_name,
+)
 from kvdaemon.daemon.tenant_log import ActivityLog, log_registered, log_removed
 from kvdaemon.errors import (
     BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
@@ -198,7 +201,7 @@ class Service:
         self._check_fits(spec, own.max_bytes)
         if name in self.tenants:
             raise Conflict(f"a tenant named {name!r} is already registered")
-        self._make_room()
+        num_waiting = self._make_room(call.routing_id)
         bounded = self.limiter.for_registration(name, own)  # its own limits under the policy
         limits = bounded.limits
         tenant = Tenant(
@@ -206,26 +209,43 @@ class Service:
             spec=spec, page_size_bytes=self.pages.page_size_bytes,
             num_virtual_pages=num_virtual_pages, max_bytes=limits.max_bytes,
             min_bytes=limits.min_bytes, weight=limits.weight, registered_at=self.clock(),
-            sleepable=sleepable, own=own,
+            sleepable=sleepable, own=own, registered_by=call.routing_id,
         )
         self.tenants.add(tenant)
-        log_registered(tenant, bounded, self.policies.effective(name).settled().describe())
+        if not num_waiting:
+            log_registered(tenant, bounded, self.policies.effective(name).settled().describe())
+        else:  # more registrations on a connection before it attached one: a flood, one line a while
+            self.warnings.warning("registered", "tenant %s registered while %d more of its connection wait "
+                                  "to attach", name, num_waiting)  # fmt: skip
         return {
             "tenant_id": tenant.tenant_id, "token": tenant.token,
             "page_size": self.pages.page_size_bytes, "num_segments": spec.num_segments,
             "backend": self.backend.name, "max_bytes": limits.max_bytes, "limit": tenant.limits(),
         }
 
-    def _make_room(self) -> None:
-        """Room for one more tenant: past ``MAX_UNATTACHED`` tenants waiting to attach their
-        handle channel the oldest of them is dropped (an honest one attaches within
-        milliseconds of its register), so registrations never attached cannot keep a new
-        tenant out; ``Conflict`` at ``MAX_TENANTS``. O(tenants)."""
+    def _make_room(self, routing_id: bytes) -> int:
+        """Room for one more tenant registered by connection ``routing_id``; returns how many
+        of that connection's wait to attach their handle channel. Registrations never attached cannot keep a new
+        tenant out: past ``MAX_UNATTACHED_PER_CONN`` of this connection its own oldest is
+        dropped, past ``MAX_UNATTACHED`` in all the oldest of the connection holding the most
+        (an honest client registers one tenant at a time and attaches within milliseconds, so
+        a flood drops its own). ``Conflict`` at ``MAX_TENANTS``. O(tenants)."""
         waiting = self.tenants.unattached()
-        for tenant in waiting[: max(0, len(waiting) - MAX_UNATTACHED + 1)]:
-            self._drop_unattached(tenant, "evicted", f"evicted: {len(waiting)} tenants were waiting to attach")
+        by_conn = Counter(t.registered_by for t in waiting)
+        if by_conn[routing_id] >= MAX_UNATTACHED_PER_CONN:
+            hog = routing_id
+        elif len(waiting) >= MAX_UNATTACHED:
+            hog = max(by_conn, key=lambda conn: by_conn[conn])
+        else:
+            hog = None
+        if hog is not None:
+            oldest = next(t for t in waiting if t.registered_by == hog)
+            self._drop_unattached(oldest, "evicted", f"evicted: {by_conn[hog]} tenants it registered on one "
+                                                     f"connection were waiting to attach ({len(waiting)} in all)")
+            by_conn[hog] -= 1
         if len(self.tenants) >= MAX_TENANTS:
             raise Conflict(f"the daemon holds its most tenants, {MAX_TENANTS}; unregister one first")
+        return by_conn[routing_id]
 
     def _drop_unattached(self, tenant: Tenant, kind: str, why: str) -> None:
         """Forget a tenant that never attached (it holds no page); the log says so at most once

@@ -93,8 +93,9 @@ class WireSpec:
 
 def check_name(name: str) -> str:
     if not NAME_PATTERN.fullmatch(name):
+        shown = repr(name) if len(name) <= 60 else f"{name[:40]!r}... ({len(name)} characters)"
         raise BadRequest(
-            f"tenant name {name!r} must be 1-128 characters of letters, digits and ._:- "
+            f"tenant name {shown} must be 1-128 characters of letters, digits and ._:- "
             "starting with a letter or digit"
         )
     return name
@@ -138,6 +139,7 @@ class Tenant:
     last_sleep: tuple[int, dict[str, Any]] | None = None  # (sleep_id, result): replayed on retry
     registered_wall: float = field(default_factory=time.time)
     last_active: float = 0.0
+    registered_by: bytes = b""  # the control connection (routing id) that registered it
     heard_at: float = 0.0  # the service's clock at its last request with its token (a pool's agent
     # heartbeats at least every ``IDLE_HEARTBEAT_S``, so a long silence is a stopped or hung process)
     peak_mapped_bytes: int = 0
@@ -225,11 +227,13 @@ class Tenant:
             "sleeps": self.num_sleeps,
             "over_limit_bytes": max(0, self.mapped_bytes - self.max_bytes),
             "sleepable": self.sleepable,
+            "attached": self.leased,
         }
 
 
 MAX_TENANTS = 1024  # registered at once: a register past it is refused (``Conflict``)
-MAX_UNATTACHED = 64  # registered but not yet attached: a register past it drops the oldest of them
+MAX_UNATTACHED = 64  # registered but not yet attached, in all: past it, one of the connection holding most goes
+MAX_UNATTACHED_PER_CONN = 8  # ... and from one control connection: past it, its own oldest goes
 
 
 class Tenants:

@@ -139,3 +139,11 @@ def test_a_tenant_silent_for_three_heartbeats_is_noted() -> None:
     quiet = make_tenant(name="quiet", silent_seconds=4.9)  # between two heartbeats: nothing to say
     lines = rendered(make_status([quiet, stopped])).splitlines()
     assert lines[5:] == ["stopped: silent for 42s (pools tell the daemon every 5 s): stopped or hung?"]
+
+
+def test_a_registration_not_attached_is_said_so_and_the_dropped_ones_counted() -> None:
+    waiting = make_tenant(name="waiting", attached=False, sleepable=False, refused_grows=0)
+    status = {**make_status([waiting]), "counters": {"never_attached": 3}}
+    lines = rendered(status).splitlines()
+    assert "3 registration(s) dropped without ever attaching (a client that died, or a flood)" in lines
+    assert lines[-1] == "waiting: registered; its handle channel is not attached yet (dropped if it never is)"

@@ -391,19 +391,32 @@ def test_a_request_refused_as_a_whole_is_answered_under_its_id(h: Harness) -> No
 def test_registrations_never_attached_cannot_keep_a_new_tenant_out(
     h: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(service_module, "MAX_UNATTACHED", 4)
-    honest = h.register("honest")
-    for i in range(10):  # squatters: registered, never attached
-        h.clock.advance(0.01)
-        h.register(f"sq{i}", leased=False)
+    monkeypatch.setattr(service_module, "MAX_UNATTACHED_PER_CONN", 4)
+    monkeypatch.setattr(service_module, "MAX_UNATTACHED", 6)
+    ids = iter(range(1000, 2000))
+
+    def register_on(conn: bytes, name: str) -> dict[str, Any]:
+        h.clock.advance(0.001)
+        args = {"name": name, "spec": small_spec().to_wire(), "num_virtual_pages": 8}
+        reply = h.raw(request(next(ids), "register", args), routing_id=conn)
+        assert reply["ok"], reply
+        return reply["result"]
+
+    honest = register_on(b"honest", "honest")  # registered; its attach follows
+    for i in range(10):  # one connection's flood drops its own oldest
+        register_on(b"flood", f"sq{i}")
+    assert [t.name for t in h.service.tenants] == ["honest", "sq6", "sq7", "sq8", "sq9"]
+    for i in range(10):  # a second connection: past 6 in all, the connection holding most loses its oldest
+        register_on(b"flood2", f"sr{i}")
     names = [t.name for t in h.service.tenants]
-    assert names == ["honest", "sq6", "sq7", "sq8", "sq9"]  # at most 4 wait: the oldest went; the attached stays
-    late = h.register("late")  # and a new tenant still gets in, and attaches
-    assert late["tenant_id"] > honest["tenant_id"]
-    status = h.ok("status")
-    assert status["counters"]["never_attached"] == 7
+    assert "honest" in names and len(names) == 6, names
+    h.service.attach("honest", honest["token"], pid=1234)  # the honest tenant was never dropped
+    assert h.ok("status")["counters"]["never_attached"] == 15  # 20 registered by the floods, 5 of them left
     evicted = [r.getMessage() for r in caplog.records if "evicted" in r.getMessage()]
-    assert evicted == ["tenant sq0 (pid 0) removed: evicted: 4 tenants were waiting to attach"]  # one line a while
+    assert evicted == ["tenant sq0 (pid 0) removed: evicted: 4 tenants it registered on one connection were "
+                       "waiting to attach (5 in all)"]  # one line a while
+    registered = [r.getMessage() for r in caplog.records if " registered" in r.getMessage()]
+    assert len(registered) < 20  # the flood's registrations are one line a while too
 
 
 def test_the_daemon_holds_at_most_max_tenants(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
