@@ -70,9 +70,12 @@ class PluginConfig:
         return 0 if self.min_size is None else self.min_size.resolve(capacity_bytes)
 
     def limits(self, capacity_bytes: int) -> tuple[int | None, int]:
-        """``(max_bytes, min_bytes)`` against the daemon's capacity; ``ConfigError`` naming both
-        variables when the guarantee is above the limit."""
+        """``(max_bytes, min_bytes)`` against the daemon's capacity; ``ConfigError`` naming the
+        variables when the guarantee is above the capacity or the limit."""
         max_bytes, min_bytes = self.max_bytes(capacity_bytes), self.min_bytes(capacity_bytes)
+        if min_bytes > capacity_bytes:
+            raise ConfigError(f"KVDAEMON_VLLM_MIN means {format_bytes(min_bytes)}, more than this daemon's "
+                              f"capacity of {format_bytes(capacity_bytes)}")
         if max_bytes is not None and min_bytes > max_bytes:
             raise ConfigError(
                 f"KVDAEMON_VLLM_MIN means {format_bytes(min_bytes)}, above KVDAEMON_VLLM_MAX's "

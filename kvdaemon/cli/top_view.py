@@ -23,7 +23,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvdaemon.cli.status_view import cannot_sleep, format_duration, owed_bytes, state_words
+from kvdaemon.cli.status_view import SILENT_S, cannot_sleep, format_duration, owed_bytes, state_words
 from kvdaemon.wire.sizes import format_bytes, format_bytes_short
 
 BAR_WIDTH = 20
@@ -33,6 +33,8 @@ FILLED, EMPTY = "█", "░"
 UNREACHABLE = "daemon unreachable"
 NO_SLEEP_MARK = "*"
 NO_SLEEP_LEGEND = "* cannot be slept: its engine has no quiesce hook"
+SILENT_MARK = "?"
+SILENT_LEGEND = f"? silent {SILENT_S:g} s or more (pools tell the daemon every 5 s): stopped or hung?"
 
 # sort key name -> (key letter, function of a tenant, descending?)
 SORTS: dict[str, tuple[str, Callable[[dict[str, Any]], Any], bool]] = {
@@ -64,9 +66,16 @@ def frame(
         parts.append(tenant_table(status, tenants) if tenants else Text("no tenants registered"))
         if any(cannot_sleep(tenant) for tenant in tenants):
             parts.append(Text(NO_SLEEP_LEGEND, style="dim"))
+        if any(is_silent(tenant) for tenant in tenants):
+            parts.append(Text(SILENT_LEGEND, style="dim"))
     if footer:
         parts.append(Text(footer, style="dim"))
     return Group(*parts)
+
+
+def is_silent(tenant: dict[str, Any]) -> bool:
+    """No request from the tenant for ``SILENT_S``: its process may be stopped or hung."""
+    return float(tenant.get("silent_seconds", 0.0)) >= SILENT_S
 
 
 def help_line(sort: str, interval_s: float) -> str:
@@ -122,7 +131,7 @@ def tenant_table(status: dict[str, Any], tenants: list[dict[str, Any]]) -> Table
         mapped = int(tenant["mapped_bytes"])
         owed = owed_bytes(tenant)
         refused = int(tenant.get("refused_grows", 0))
-        mark = NO_SLEEP_MARK if cannot_sleep(tenant) else ""
+        mark = (NO_SLEEP_MARK if cannot_sleep(tenant) else "") + (SILENT_MARK if is_silent(tenant) else "")
         table.add_row(
             Text(str(tenant["name"])),  # names are not markup
             Text(state_words(str(tenant["state"])) + mark),

@@ -103,3 +103,10 @@ def test_kv_connectors_are_refused() -> None:
 def test_a_scheduler_without_a_tenant_in_its_process_is_refused() -> None:
     with pytest.raises(Unsupported, match="engine core and its worker in one process"):
         current_tenant()
+
+
+def test_a_guarantee_above_the_capacity_is_refused_naming_its_variable() -> None:
+    config = PluginConfig.from_env({"KVDAEMON_VLLM_TENANT": "a", "KVDAEMON_VLLM_MIN": "128MiB"})
+    assert config is not None
+    with pytest.raises(ConfigError, match="KVDAEMON_VLLM_MIN means 128.0 MiB, more than this daemon's capacity of 64.0 MiB"):
+        config.limits(64 << 20)

@@ -324,3 +324,11 @@ def test_live_top_sorts_on_a_key_and_shows_its_help_line(cli: Cli) -> None:
         for pool in pools:
             pool.close()
         client.close()
+
+
+def test_a_silent_tenant_is_marked_with_its_legend() -> None:
+    stopped = {**THREE[0], "name": "stopped", "silent_seconds": 20.0}
+    text = rendered(make_status([stopped]))
+    assert row_of(text, "stopped").split()[:2] == ["stopped", "active?"]
+    assert text.splitlines()[-1] == "? silent 15 s or more (pools tell the daemon every 5 s): stopped or hung?"
+    assert "?" not in rendered(make_status([{**stopped, "silent_seconds": 4.0}]))
