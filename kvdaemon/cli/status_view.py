@@ -127,10 +127,15 @@ def tenant_notes(tenant: dict[str, Any]) -> list[str]:
                      f"fair share {format_bytes(int(tenant['fair_bytes']))})")
     if cannot_sleep(tenant):
         notes.append("cannot be slept (no quiesce hook)")
-    silent = float(tenant.get("silent_seconds", 0.0))
-    if silent >= SILENT_S:
-        notes.append(f"silent for {format_duration(silent)} (pools tell the daemon every 5 s): stopped or hung?")
+    if is_silent(tenant):
+        silent = format_duration(float(tenant["silent_seconds"]))
+        notes.append(f"silent for {silent} (pools tell the daemon every 5 s): stopped or hung?")
     return notes
+
+
+def is_silent(tenant: dict[str, Any]) -> bool:
+    """No request from the tenant for ``SILENT_S``: its process may be stopped or hung."""
+    return float(tenant.get("silent_seconds", 0.0)) >= SILENT_S
 
 
 def describe_policy(policy: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvdaemon.cli.status_view import SILENT_S, cannot_sleep, format_duration, owed_bytes, state_words
+from kvdaemon.cli.status_view import SILENT_S, cannot_sleep, format_duration, is_silent, owed_bytes, state_words
 from kvdaemon.wire.sizes import format_bytes, format_bytes_short
 
 BAR_WIDTH = 20
@@ -71,11 +71,6 @@ def frame(
     if footer:
         parts.append(Text(footer, style="dim"))
     return Group(*parts)
-
-
-def is_silent(tenant: dict[str, Any]) -> bool:
-    """No request from the tenant for ``SILENT_S``: its process may be stopped or hung."""
-    return float(tenant.get("silent_seconds", 0.0)) >= SILENT_S
 
 
 def help_line(sort: str, interval_s: float) -> str:

@@ -53,19 +53,11 @@ def read_policies(path: Path) -> dict[str, Policy]:
         return {}
     except OSError as err:
         raise _unreadable(path, err.strerror or str(err)) from err
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory
-            raise _unreadable(path, "not a regular file")
-        data = b""
-        while len(data) <= MAX_FILE_BYTES:
-            chunk = os.read(fd, MAX_FILE_BYTES + 1 - len(data))
-            if not chunk:
-                break
-            data += chunk
-    except OSError as err:
-        raise _unreadable(path, err.strerror or str(err)) from err
-    finally:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory
         os.close(fd)
+        raise _unreadable(path, "not a regular file")
+    with os.fdopen(fd, "rb") as stream:
+        data = stream.read(MAX_FILE_BYTES + 1)
     if len(data) > MAX_FILE_BYTES:
         raise _unreadable(path, f"larger than {MAX_FILE_BYTES} bytes")
     try:

@@ -257,17 +257,17 @@ class Service:
     def _check_fits(self, spec: WireSpec, max_bytes: int | None) -> None:
         """``BadRequest`` for a spec that could never hold one logical page here."""
         logical_page_bytes = spec.num_segments * self.pages.page_size_bytes
-        if max_bytes is not None and max_bytes < min(logical_page_bytes, self.pages.capacity_bytes):
+        capacity = self.pages.capacity_bytes
+        if max_bytes is not None and max_bytes < min(logical_page_bytes, capacity):
             raise BadRequest(
                 f"one logical page of this spec takes {logical_page_bytes} bytes ({spec.num_segments} "
                 f"segments of a {self.pages.page_size_bytes}-byte page), more than its max_bytes of "
                 f"{max_bytes}: it could never map a block; raise its limit"
             )
-        room = self.pages.capacity_bytes
-        if logical_page_bytes > room:
+        if logical_page_bytes > capacity:
             raise BadRequest(
                 f"one logical page of this spec takes {logical_page_bytes} bytes ({spec.num_segments} "
-                f"segments of a {self.pages.page_size_bytes}-byte page), more than the {room} bytes "
+                f"segments of a {self.pages.page_size_bytes}-byte page), more than the {capacity} bytes "
                 "it could ever hold here: use fewer layers per tenant, a smaller --page-size, or more capacity"
             )
 
