@@ -62,6 +62,11 @@ control plane does not slow. On a 2-core machine a forward on both cores
 stalls whenever the daemon or an agent runs: there, elastic overload
 throughput read 0.953x and 0.963x static with two threads and 1.000x and
 0.983x with one, the same code, the steps of each mode within 1% either way.
+The driver thread also serves pinned to those first cores (``--no-pin``: not),
+leaving the daemon and the agents the rest, as an engine's threads are bound to
+their cores in a CPU deployment: unpinned, a driver that blocked on the daemon
+woke on the other core, cold, and elastic's forward (whose engines wait on the
+daemon more often) took 3-7% longer for the same work (``multitenant_replay``).
 
 Per seed: whether contended, both modes' TTFT mean/p99 (and the floor's p99), tokens/s and
 preemptions, the ratios and their verdicts; then the worst ratio per class.
@@ -86,7 +91,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from engine import build_model  # noqa: E402
-from multitenant_replay import BLOCK, PAGE_BYTES, ModeRun, pooled, replay, summarize, third_bytes  # noqa: E402
+from multitenant_replay import (  # noqa: E402
+    BLOCK, PAGE_BYTES, ModeRun, forward_cores, pooled, replay, summarize, third_bytes,
+)
 from plots import available, machine_caption, memory_plot, model_caption, ttft_plot  # noqa: E402
 from report import RESULTS_DIR, ratio_interval, save, verdict  # noqa: E402
 from traces import Arrival, TraceShape, bursty_trace, steady_trace  # noqa: E402
@@ -141,6 +148,7 @@ def positive(kind: type) -> Any:
 def run_seed(
     models: list[Any], trace: list[Arrival], capacity: int, budget: int, repeats: int = 1,
     modes: tuple[str, ...] = MODES, more: Callable[[dict[str, Any]], int] | None = None,
+    cores: frozenset[int] | None = None,
 ) -> dict[str, Any]:
     """Each of ``modes`` over ``trace``, ``repeats`` times, pooled: summaries and runs.
 
@@ -149,27 +157,27 @@ def run_seed(
     alike for an even ``repeats``. ``more``, given the pooled summaries, says how
     many repeats to add (``extra_repeats``: an uncontended seed's few-ms TTFT
     ratios need more runs to stand above the machine's noise); they continue
-    the ABBA order, and every run is pooled.
+    the ABBA order, and every run is pooled. ``cores``: the driver's (``replay``).
     """
     done: dict[str, list[ModeRun]] = {mode: [] for mode in modes}
-    _replay_repeats(models, trace, capacity, budget, done, range(repeats))
+    _replay_repeats(models, trace, capacity, budget, done, range(repeats), cores)
     summary = _pool(done, len(models))
     num_more = more(summary["results"]) if more is not None else 0
     if num_more > 0:
-        _replay_repeats(models, trace, capacity, budget, done, range(repeats, repeats + num_more))
+        _replay_repeats(models, trace, capacity, budget, done, range(repeats, repeats + num_more), cores)
         summary = _pool(done, len(models))
     return summary
 
 
 def _replay_repeats(
     models: list[Any], trace: list[Arrival], capacity: int, budget: int,
-    done: dict[str, list[ModeRun]], repeats: range,
+    done: dict[str, list[ModeRun]], repeats: range, cores: frozenset[int] | None = None,
 ) -> None:
     """Replay ``trace`` once per mode for each repeat index, even indices in ``done``'s order."""
     modes = tuple(done)
     for repeat in repeats:
         for mode in (modes if repeat % 2 == 0 else modes[::-1]):
-            done[mode].append(replay(mode, models, trace, capacity, budget))
+            done[mode].append(replay(mode, models, trace, capacity, budget, cores))
 
 
 def _pool(done: dict[str, list[ModeRun]], num_tenants: int) -> dict[str, Any]:
@@ -250,11 +258,13 @@ def verdicts(cls: str, r: dict[str, float]) -> dict[str, bool]:
     return met
 
 
-def calibrate(models: list[Any], shape: TraceShape, capacity: int, budget: int) -> float:
+def calibrate(
+    models: list[Any], shape: TraceShape, capacity: int, budget: int, cores: frozenset[int] | None = None,
+) -> float:
     """Requests/s the three engines serve in static mode with every request queued at once."""
     requests = steady_trace(shape, 10_000, CALIBRATION_REQUESTS / 0.01, 0.01)
     burst = [Arrival(0.0, a.tenant, a.prompt_ids, a.max_new_tokens) for a in requests]
-    run = replay("static", models, burst, capacity, budget)
+    run = replay("static", models, burst, capacity, budget, cores)
     return len(burst) / run.makespan_s
 
 
@@ -368,6 +378,9 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--torch-threads", type=positive(int), default=None,
                         help="threads for the engines' forward (default: one fewer than torch's own, "
                              "at least one; see the module docstring)")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="leave the driver thread free to move between cores (default: pinned to the "
+                             "forward's cores while it serves, when a core is left for the daemon)")
     parser.add_argument("--scale", type=positive(float), default=1.0, help="stretch every bursty trace time by this factor")
     parser.add_argument("--rate-scale", type=positive(float), default=None,
                         help="multiply the bursty traces' rates by this (default: calibrated served / "
@@ -378,6 +391,7 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     opts = options()
     torch.set_num_threads(num_forward_threads(opts.torch_threads, torch.get_num_threads()))
+    cores = None if opts.no_pin else forward_cores(torch.get_num_threads())
     shape = TraceShape(ramp_s=3.0 * opts.scale, hold_s=6.0 * opts.scale, lead_s=2.0 * opts.scale)
     models = [build_model(seed) for seed in range(shape.num_tenants)]
     warm_up(models)
@@ -393,8 +407,10 @@ def main() -> None:
         print(f"no plots: plot seed {plot_seed} is not among the bursty seeds {seeds}")
         plot_seed = None
     print(f"capacity {opts.capacity_mib} MiB (a third {third / MiB:.1f} MiB), page {PAGE_BYTES // 1024} KiB, "
-          f"torch threads {torch.get_num_threads()}; bursty traces of {shape.duration_s:.0f} s")
-    served = calibrate(models, shape, capacity, opts.budget)
+          f"torch threads {torch.get_num_threads()}, driver on "
+          f"{'cores ' + ','.join(map(str, sorted(cores))) if cores else 'any core'}; "
+          f"bursty traces of {shape.duration_s:.0f} s")
+    served = calibrate(models, shape, capacity, opts.budget, cores)
     rate_scale = opts.rate_scale if opts.rate_scale is not None else served / DESIGN_SERVED_RPS
     bursty_shape = replace(shape, base_rate=shape.base_rate * rate_scale, peak_rate=shape.peak_rate * rate_scale)
     rate = OVERLOAD_FACTOR * served / shape.num_tenants
@@ -411,7 +427,7 @@ def main() -> None:
     for seed, label, trace_shape in bursty + [(seed, f"L{seed}", light_shape) for seed in light_seeds]:
         done = run_seed(models, bursty_trace(trace_shape, seed), capacity, opts.budget, opts.repeats,
                         MODES if opts.no_floor else FLOOR_MODES, more=lambda results: extra_repeats(
-                            results, third, logical_page, opts.repeats, opts.uncontended_repeats))
+                            results, third, logical_page, opts.repeats, opts.uncontended_repeats), cores=cores)
         cls = "contended" if contended(done["results"]["static"], third, logical_page) else "uncontended"
         r = ratios(done["results"], done["repeat_p99"])
         rows.append({"class": cls, "seed": label, "ratios": r, "results": done["results"],
@@ -421,13 +437,14 @@ def main() -> None:
             plot(done["runs"], models, capacity, seed)
     for seed in overload_seeds:
         done = run_seed(models, steady_trace(shape, seed, rate, OVERLOAD_S), capacity, opts.budget,
-                        opts.overload_repeats)
+                        opts.overload_repeats, cores=cores)
         r = {**ratios(done["results"]), **paired_throughput(done["repeat_tokens_per_s"])}
         rows.append({"class": "overload", "seed": str(seed), "ratios": r, "results": done["results"],
                      "repeat_tokens_per_s": done["repeat_tokens_per_s"]})
         print_seed("overload", str(seed), done["results"], r)
     worst = print_worst(rows)
     save("multitenant", {"capacity_bytes": capacity, "third_bytes": third, "served_rps": served,
+                         "driver_cores": sorted(cores) if cores else None,
                          "bursty_rate_scale": rate_scale, "overload_rate_per_tenant": rate,
                          "seeds": rows, "worst": worst, "targets": {
                              "contended_ttft_p99": CONTENDED_P99, "uncontended_ttft_mean": UNCONTENDED_MEAN,

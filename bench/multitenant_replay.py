@@ -15,6 +15,13 @@ time and steps the engines in turn. Modes:
   no memory policy for ``capacity_bytes`` can go but by noise (the reference
   that says how much of static's loss was memory's).
 
+With ``cores`` the driver thread runs on those cores only while it serves
+(``pinned``; the bench gives it one core and leaves the others to the daemon
+and the pools' agents): a driver that blocks on the daemon or a lock and wakes
+on another core starts there with cold caches, and on this 2-core VM its
+forward then ran 3-7% slower for the same work (elastic, whose engines wait on
+the daemon more often, moved between cores; static did not).
+
 Each replay serves with the heap frozen (``kvdaemon.heap``), as a serving
 process does after start-up: a full collection of the models' ~370,000 objects
 (~170 ms) never lands in a forward, and every replay starts with the same
@@ -30,9 +37,12 @@ tokens over the summed makespans, preemptions summed, peaks the highest.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,8 +94,36 @@ def open_pool(client: KVClient, mode: str, tenant: int, spec: KVSpec, third_byte
     return pool
 
 
-def replay(mode: str, models: list[Any], trace: list[Arrival], capacity_bytes: int, budget: int) -> ModeRun:
-    """Serve ``trace`` with three engines on a fresh daemon; timings on ``time.perf_counter``."""
+def forward_cores(num_threads: int) -> frozenset[int] | None:
+    """The cores the driver thread serves on: the first ``num_threads`` this process may use,
+    when that leaves at least one for the daemon and the agents; else None (not pinned). O(cores)."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    return frozenset(allowed[:num_threads]) if num_threads < len(allowed) else None
+
+
+@contextmanager
+def pinned(cores: frozenset[int] | None) -> Iterator[None]:
+    """The calling thread on ``cores`` for the block, then back on the cores it had (None: as it is).
+    Threads and processes it starts inside inherit the pin: start them before."""
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def replay(
+    mode: str, models: list[Any], trace: list[Arrival], capacity_bytes: int, budget: int,
+    cores: frozenset[int] | None = None,
+) -> ModeRun:
+    """Serve ``trace`` with three engines on a fresh daemon, the driver on ``cores`` (``pinned``)
+    while it serves; timings on ``time.perf_counter``."""
     if mode not in REPLAY_MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(REPLAY_MODES)}")
     run = ModeRun(mode)
@@ -96,7 +134,7 @@ def replay(mode: str, models: list[Any], trace: list[Arrival], capacity_bytes: i
     with daemon_process(str(capacity_bytes), "--page-size", str(PAGE_BYTES)) as client:
         pools = [open_pool(client, mode, i, spec, third) for i in range(len(models))]
         engines = [Engine(m, p, max_num_batched_tokens=budget) for m, p in zip(models, pools)]
-        with frozen_heap():  # no full collection walks the models mid-replay
+        with frozen_heap(), pinned(cores):  # no full collection walks the models mid-replay
             t0 = _serve(run, engines, pools, trace)
         run.makespan_s = max(r.finish_s for _, r in run.requests) - t0
         _sample(run, pools, time.perf_counter() - t0)

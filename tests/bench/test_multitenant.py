@@ -4,6 +4,7 @@ met, and the unbounded replay that measures it (each tenant mapped to the whole 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -88,9 +89,12 @@ def test_the_unbounded_replay_maps_the_whole_capacity_for_each_tenant_and_serves
 
 def test_repeats_run_the_modes_in_abba_order_and_pool_every_run(monkeypatch: pytest.MonkeyPatch) -> None:
     order: list[str] = []
+    pins: set[frozenset[int] | None] = set()
 
-    def fake_replay(mode: str, models: list[Any], trace: list[Arrival], capacity: int, budget: int) -> Any:
+    def fake_replay(mode: str, models: list[Any], trace: list[Arrival], capacity: int, budget: int,
+                    cores: frozenset[int] | None = None) -> Any:
         order.append(mode)
+        pins.add(cores)
         run = multitenant_replay.ModeRun(mode, makespan_s=1.0, preemptions=[len(order)], computed_tokens=[0],
                                          steps=[0], peak_used_bytes=[0])
         request = multitenant_replay.Request(0, [1], 1, frozenset(), arrival_s=0.0, first_token_s=0.5)
@@ -98,15 +102,17 @@ def test_repeats_run_the_modes_in_abba_order_and_pool_every_run(monkeypatch: pyt
         return run
 
     monkeypatch.setattr(multitenant, "replay", fake_replay)
-    done = multitenant.run_seed([object()], [], 36 * MiB, 512, repeats=4)
+    done = multitenant.run_seed([object()], [], 36 * MiB, 512, repeats=4, cores=frozenset({1}))
     assert order == ["static", "elastic", "elastic", "static", "static", "elastic", "elastic", "static"]
+    assert pins == {frozenset({1})}  # every replay's driver on the bench's cores
     static = done["runs"]["static"]
     assert static.makespan_s == 4.0 and len(static.requests) == 4
     assert static.preemptions == [1 + 4 + 5 + 8]  # the static runs' own counts, summed
 
 
 def _fake_replays(monkeypatch: pytest.MonkeyPatch, order: list[str], peak_bytes: int = 0) -> None:
-    def fake_replay(mode: str, models: list[Any], trace: list[Arrival], capacity: int, budget: int) -> Any:
+    def fake_replay(mode: str, models: list[Any], trace: list[Arrival], capacity: int, budget: int,
+                    cores: frozenset[int] | None = None) -> Any:
         order.append(mode)
         run = multitenant_replay.ModeRun(mode, makespan_s=1.0, preemptions=[0], computed_tokens=[0],
                                          steps=[0], peak_used_bytes=[peak_bytes])
@@ -147,6 +153,30 @@ def test_seed_lists_name_ranges_and_single_seeds() -> None:
     assert multitenant.seed_list("") == []
     opts = multitenant.options([])
     assert (opts.seeds, opts.light_seeds, opts.overload_seeds) == (list(range(8)), [0, 1, 2, 3], [0, 1])
+
+
+def test_the_driver_is_pinned_to_the_forwards_cores_only_when_one_is_left_for_the_daemon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(multitenant_replay.os, "sched_getaffinity", lambda pid: {4, 2, 7}, raising=False)
+    assert multitenant_replay.forward_cores(1) == {2}  # the lowest core this process may use
+    assert multitenant_replay.forward_cores(2) == {2, 4}
+    assert multitenant_replay.forward_cores(3) is None  # nothing left for the control plane: not pinned
+    assert multitenant.options([]).no_pin is False and multitenant.options(["--no-pin"]).no_pin is True
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")
+def test_pinned_holds_the_calling_thread_on_its_cores_for_the_block_only() -> None:
+    before = os.sched_getaffinity(0)
+    core = frozenset({min(before)})
+    with multitenant_replay.pinned(core):
+        assert os.sched_getaffinity(0) == core
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(RuntimeError), multitenant_replay.pinned(core):
+        raise RuntimeError("a failed replay")
+    assert os.sched_getaffinity(0) == before  # restored however the block ends
+    with multitenant_replay.pinned(None):
+        assert os.sched_getaffinity(0) == before
 
 
 def test_the_forward_leaves_a_core_to_the_control_plane_unless_told() -> None:
