@@ -64,9 +64,8 @@ throughput read 0.953x and 0.963x static with two threads and 1.000x and
 0.983x with one, the same code, the steps of each mode within 1% either way.
 The driver thread also serves pinned to those first cores (``--no-pin``: not),
 leaving the daemon and the agents the rest, as an engine's threads are bound to
-their cores in a CPU deployment: unpinned, a driver that blocked on the daemon
-woke on the other core, cold, and elastic's forward (whose engines wait on the
-daemon more often) took 3-7% longer for the same work (``multitenant_replay``).
+their cores in a CPU deployment (``multitenant_replay``: unpinned, a driver that
+blocks may wake on the other core, cold, and elastic's driver blocks more often).
 
 Per seed: whether contended, both modes' TTFT mean/p99 (and the floor's p99), tokens/s and
 preemptions, the ratios and their verdicts; then the worst ratio per class.

@@ -17,10 +17,12 @@ time and steps the engines in turn. Modes:
 
 With ``cores`` the driver thread runs on those cores only while it serves
 (``pinned``; the bench gives it one core and leaves the others to the daemon
-and the pools' agents): a driver that blocks on the daemon or a lock and wakes
-on another core starts there with cold caches, and on this 2-core VM its
-forward then ran 3-7% slower for the same work (elastic, whose engines wait on
-the daemon more often, moved between cores; static did not).
+and the pools' agents), as an engine's threads are bound to their cores in a
+CPU deployment. Unpinned, a driver that blocks (on the daemon, on the GIL
+an agent holds) may wake on the other core with its caches cold, and elastic's
+driver blocks more often: 950-1,350 voluntary context switches per overload
+replay against static's 225-290, in a probe where its forward took 3-7% longer
+than static's for the same steps and tokens (``RESULTS.md``).
 
 Each replay serves with the heap frozen (``kvdaemon.heap``), as a serving
 process does after start-up: a full collection of the models' ~370,000 objects

@@ -107,14 +107,14 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
     pid = detach.start_detached(config)
     with reach.talking(config.dir) as client:
         info = client.hello()
+    wanted, capacity = config.capacity.exact_bytes, format_bytes(info["capacity_bytes"])
     result = {
         "dir": str(config.dir), "pid": pid, "version": info.get("daemon_version"),
         "backend": info["backend"], "device": info.get("device"),
-        "capacity_bytes": info["capacity_bytes"], "page_size": info["page_size"],
+        "capacity_bytes": info["capacity_bytes"], "capacity_asked_bytes": wanted, "page_size": info["page_size"],
         "log_file": str(config.log_file or config.paths.log_file),
         "metrics_address": config.metrics_address,
     }  # fmt: skip
-    wanted, capacity = config.capacity.exact_bytes, format_bytes(info["capacity_bytes"])
     rounded = ""
     if wanted is not None and wanted != info["capacity_bytes"]:
         asked = format_bytes(wanted)

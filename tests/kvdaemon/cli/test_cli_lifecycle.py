@@ -137,6 +137,9 @@ def test_a_capacity_off_whole_pages_is_rounded_down_and_says_so(cli: Cli) -> Non
         f"kvdaemon running at {cli.dir} (pid {cli.daemon_pid()}, backend host, capacity 64.0 MiB (67092480 B); "
         "the 67108864 B asked, rounded down to whole 48.0 KiB pages)"
     )
+    cli.run("stop", timeout_s=30)
+    started = json.loads(cli.start("--backend", "host", "--capacity", "3MiB", "--page-size", "2MiB", "--json").stdout)
+    assert (started["capacity_bytes"], started["capacity_asked_bytes"]) == (2 * MiB, 3 * MiB)
 
 
 def test_start_status_stop(cli: Cli) -> None:
