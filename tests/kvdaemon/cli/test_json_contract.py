@@ -41,7 +41,7 @@ def test_start_status_stop_json(cli: Cli) -> None:
     started = json_of(cli.start(*HOST_FLAGS, "--json"))
     assert started == {
         "dir": str(cli.dir), "pid": cli.daemon_pid(), "version": "0.1.0", "backend": "host",
-        "device": 0, "capacity_bytes": 64 * MiB, "page_size": 2 * MiB,
+        "device": 0, "capacity_bytes": 64 * MiB, "capacity_asked_bytes": 64 * MiB, "page_size": 2 * MiB,
         "log_file": str(cli.paths.log_file), "metrics_address": None,
     }  # fmt: skip
 
