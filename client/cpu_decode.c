@@ -19,11 +19,22 @@
  * when softcap > 0; only positions p with len - window <= p < len when window > 0;
  * softmax in fp32, output cast to the dtype (bf16 rounds to nearest even).
  *
+ * bf16 where the machine has more (head_dim a multiple of 32): with AMX, and 4 to 16
+ * query heads per KV head, each chunk of a KV head is two tile products (scores of all
+ * its query heads against K transposed into pairs, then their weights against V rows
+ * paired), about 4x fewer instructions than vectors; else with AVX512-BF16 the dot
+ * instruction takes bf16 pairs as they are (no widening). Both round the softmax
+ * weights to bf16 before they meet V (as torch's bf16 SDPA does) and keep every sum
+ * in fp32. A thread's tile configuration is put back as it was after each call.
+ *
  * Types: fp32, bf16, fp16 (GCC vector extensions; vectors of 16 floats, which GCC
  * lowers to whatever the machine has). head_dim a multiple of 16, at most 256;
  * query heads per KV head at most MAX_GROUP.
  */
 #include <math.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -39,6 +50,19 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 #define MAX_ND 16    /* head_dim <= 256 */
 #define MAX_GROUP 32 /* query heads per KV head */
 #define MAX_THREADS 64
+#ifdef __AVX512BF16__
+#define DOT_BF16 1 /* bf16 through vdpbf16ps (attend_chunk_dot) */
+#else
+#define DOT_BF16 0
+#endif
+#if DOT_BF16 && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define AMX_BF16 1 /* bf16 on the tile unit where the kernel lets the process use it (amx_ok) */
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define AMX_BF16 0
+#endif
+static int amx_ok; /* set once by kvd_decode_init */
 
 struct decode_args {
     const void *query;
@@ -118,6 +142,37 @@ static inline v16 vsoftcap(v16 x, float cap)
     v16 e = vexp(ax * (-2.f / cap));
     v16 th = (1.f - e) / (1.f + e);
     return (v16)((v16i)th | sign) * cap;
+}
+
+/* Whether any lane is set (a mask of compares). */
+static inline int any_lane(v16i x)
+{
+#ifdef __AVX512F__
+    return _mm512_test_epi32_mask((__m512i)x, (__m512i)x) != 0;
+#else
+    v16i y = x | __builtin_shuffle(x, SWAP8);
+    y |= __builtin_shuffle(y, SWAP4);
+    y |= __builtin_shuffle(y, SWAP2);
+    y |= __builtin_shuffle(y, SWAP1);
+    return y[0] != 0;
+#endif
+}
+
+/* The online softmax over one chunk's scores s (lanes outside keep do not count):
+ * the weights e^(s - m), 0 outside keep. The running max *m moves only when a score
+ * passes it; then *corr (else 1) is what the sums and outputs so far must be scaled
+ * by, and *lv, the running sums (one per lane, added up at the end), is scaled here. */
+static inline v16 softmax_chunk(v16 s, v16i keep, float *m, v16 *lv, float *corr)
+{
+    const v16 masked = (v16)(((v16i)s & keep) | (~keep & (v16i)splat(-INFINITY)));
+    *corr = 1.f;
+    if (any_lane(masked > splat(*m))) {
+        const float top = hmax(masked);
+        *corr = vexp(splat(*m - top))[0]; /* m = -inf: e^-87, times sums of 0 */
+        *m = top;
+        *lv *= *corr;
+    }
+    return (v16)((v16i)vexp(s - *m) & keep);
 }
 
 /* 16 vectors -> one vector of their 16 sums; lane i holds the sum of a[PERM[i]]. */
@@ -204,7 +259,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const struct deco
                                                               const char *const *vr, const char *const *next_k,
                                                               int nnext, int64_t ntok, v16i keep,
                                                               int64_t h, int64_t j0, int np, const v16 *qv, v16 *acc,
-                                                              float *m, float *l, int dt, int ND)
+                                                              float *m, v16 *lv, int dt, int ND)
 {
     enum { MAXP = 4 };
     const int P = HEADS_PER_PASS(ND);
@@ -242,12 +297,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const struct deco
         v16 s = reduce16(part[p]);
         if (a->softcap > 0.f)
             s = vsoftcap(s, a->softcap);
-        const float top_chunk = hmax((v16)(((v16i)s & keep) | (~keep & (v16i)splat(-INFINITY))));
-        const float top = top_chunk > m[j] ? top_chunk : m[j];
-        corr[p] = vexp(splat(m[j] - top))[0]; /* m = -inf: e^-87, times acc = 0 */
-        m[j] = top;
-        s = (v16)((v16i)vexp(s - top) & keep);
-        l[j] = l[j] * corr[p] + hsum(s);
+        s = softmax_chunk(s, keep, &m[j], &lv[j], &corr[p]);
+        lv[j] += s;
         s = __builtin_shuffle(s, INVPERM);
         memcpy(w[p], &s, sizeof s);
     }
@@ -286,10 +337,262 @@ static inline __attribute__((always_inline)) void attend_chunk(const struct deco
     }
 }
 
-/* One sequence, every head. work: 2 * heads * nd vectors; ml: 2 * heads floats.
+#if DOT_BF16
+/* bf16 by the dot instruction (vdpbf16ps, where the machine has it): q.k as sums of
+ * exact products of bf16 pairs in fp32 (q unscaled; the scale applies to the score),
+ * and the weights rounded to bf16 (their sum kept from the fp32 values: 2^-9 apart at
+ * most, below the output's own rounding) times V rows taken two at a time, interleaved
+ * (unpack), so lane 4L + j of accumulator 2c holds dim 32c + 8L + j and of 2c + 1
+ * dim 32c + 8L + 4 + j (LANE_DIM); the final store puts the dims back in order.
+ * head_dim a multiple of 32. */
+static inline __m512bh load_bh(const char *p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+static inline __attribute__((always_inline)) void attend_chunk_dot(const struct decode_args *a, const char *const *kr,
+                                                                  const char *const *vr, const char *const *next_k,
+                                                                  int nnext, int64_t ntok, v16i keep, int64_t h,
+                                                                  int64_t j0, int np, const v16 *qv, v16 *acc,
+                                                                  float *m, v16 *lv, int N2)
+{
+    enum { MAXP = 4 };
+    const int P = HEADS_PER_PASS(2 * N2);
+    const int64_t n2 = N2 ? N2 : a->head_dim / 32, nd = 2 * n2;
+    const int64_t koff = h * a->k_head * 2, voff = h * a->v_head * 2;
+    v16 part[MAXP][16];
+    uint32_t w[MAXP][8] __attribute__((aligned(32)));
+    float corr[MAXP];
+    for (int t = 0; t < 16; t++) {
+        const char *k = kr[t] + koff;
+        if (next_k) {
+            for (int64_t off = 0; off < n2 * 64; off += 64) {
+                __builtin_prefetch(vr[t] + voff + off, 0, 2);
+                if (t < nnext)
+                    __builtin_prefetch(next_k[t] + koff + off, 0, 2);
+            }
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            if (p >= np)
+                break;
+            const __m512bh *q = (const __m512bh *)(qv + (j0 + p) * nd);
+            __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], load_bh(k));
+#pragma GCC unroll 8
+            for (int64_t c = 1; c < n2; c++)
+                x = _mm512_dpbf16_ps(x, q[c], load_bh(k + c * 64));
+            part[p][t] = (v16)x;
+        }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        if (p >= np)
+            break;
+        const int64_t j = j0 + p;
+        v16 s = reduce16(part[p]) * a->scale;
+        if (a->softcap > 0.f)
+            s = vsoftcap(s, a->softcap);
+        s = softmax_chunk(s, keep, &m[j], &lv[j], &corr[p]);
+        lv[j] += s;
+        const __m256bh rounded = _mm512_cvtneps_pbh((__m512)__builtin_shuffle(s, INVPERM));
+        memcpy(w[p], &rounded, sizeof rounded);
+    }
+    v16 o[MAXP][MAX_ND];
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        if (p >= np)
+            break;
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nd; c++)
+            o[p][c] = acc[(j0 + p) * nd + c] * corr[p];
+    }
+    for (int64_t tp = 0; 2 * tp < ntok; tp++) {
+        const char *v0 = vr[2 * tp] + voff, *v1 = vr[2 * tp + 1] + voff;
+        __m512bh lo[MAX_ND / 2], hi[MAX_ND / 2];
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < n2; c++) {
+            const __m512i r0 = _mm512_loadu_si512(v0 + c * 64), r1 = _mm512_loadu_si512(v1 + c * 64);
+            lo[c] = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+            hi[c] = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            if (p >= np)
+                break;
+            const __m512bh weight = (__m512bh)_mm512_set1_epi32((int)w[p][tp]);
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < n2; c++) {
+                o[p][2 * c] = (v16)_mm512_dpbf16_ps((__m512)o[p][2 * c], weight, lo[c]);
+                o[p][2 * c + 1] = (v16)_mm512_dpbf16_ps((__m512)o[p][2 * c + 1], weight, hi[c]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        if (p >= np)
+            break;
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nd; c++)
+            acc[(j0 + p) * nd + c] = o[p][c];
+    }
+}
+/* 16 rows of 16 32-bit words -> 16 columns: r[c] lane t = word c of row t. 64 shuffles. */
+static inline void transpose16(__m512i *r)
+{
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* u[i + k], 128-bit lane L: word 4L + k of rows i..i+3 */
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);
+        r[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[8 + k] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[4 + k] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* The chunk's 16 K rows of one KV head (koff), transposed: kt[16c + k] lane t holds
+ * dims 32c + 2k and 32c + 2k + 1 of position t. Prefetches this chunk's V rows and
+ * the next chunk's K rows (next_k, nnext of them) into L2 on the way. */
+static inline __attribute__((always_inline)) void load_k_transposed(const struct decode_args *a,
+                                                                   const char *const *kr, const char *const *vr,
+                                                                   const char *const *next_k, int nnext,
+                                                                   int64_t koff, int64_t voff, int64_t n2,
+                                                                   __m512i *kt)
+{
+    (void)a;
+    for (int t = 0; t < 16; t++) {
+        for (int64_t off = 0; next_k && off < n2 * 64; off += 64) {
+            __builtin_prefetch(vr[t] + voff + off, 0, 2);
+            if (t < nnext)
+                __builtin_prefetch(next_k[t] + koff + off, 0, 2);
+        }
+        for (int64_t c = 0; c < n2; c++)
+            kt[c * 16 + t] = _mm512_loadu_si512(kr[t] + koff + c * 64);
+    }
+    for (int64_t c = 0; c < n2; c++)
+        transpose16(kt + c * 16);
+}
+
+/* The chunk's V rows of one KV head (voff) two at a time: vp[tp][2c] lane 4L + j holds
+ * dim 32c + 8L + j of positions 2tp and 2tp + 1, vp[tp][2c + 1] dim 32c + 8L + 4 + j
+ * (LANE_DIM order). All 8 pairs (padding rows repeat a real position). */
+static inline __attribute__((always_inline)) void pair_v_rows(const char *const *vr, int64_t voff, int64_t n2,
+                                                             __m512bh (*vp)[MAX_ND])
+{
+    for (int64_t tp = 0; tp < 8; tp++) {
+        const char *v0 = vr[2 * tp] + voff, *v1 = vr[2 * tp + 1] + voff;
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < n2; c++) {
+            const __m512i r0 = _mm512_loadu_si512(v0 + c * 64), r1 = _mm512_loadu_si512(v1 + c * 64);
+            vp[tp][2 * c] = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+            vp[tp][2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+        }
+    }
+}
+
+#endif
+
+#if AMX_BF16
+/* bf16 on the tile unit (AMX), one chunk of 16 positions for the g <= 16 query heads of
+ * KV head h: scores = Q (g x head_dim) times the transposed K (tiles of 32 dims), the
+ * online softmax in vectors, then weights (g x 16, bf16) times the paired V rows, one
+ * tile of 16 output lanes (LANE_DIM order) at a time, added to acc. The tiles are
+ * configured per thread (amx_configure) before the first call. */
+#define T_S 0 /* tile numbers: scores, q, K, weights, V, output (the tile macros take literals) */
+#define T_Q 1
+#define T_K 2
+#define T_P 3
+#define T_V 4
+#define T_O 5
+#define MEMORY_BARRIER() __asm__ volatile("" ::: "memory") /* tile loads read memory the compiler cannot see */
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void amx_configure(int g)
+{
+    struct tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int tiles[6][2] = {{T_S, 64}, {T_Q, 64}, {T_K, 64}, {T_P, 32}, {T_V, 64}, {T_O, 64}};
+    for (int k = 0; k < 6; k++) {
+        c.rows[tiles[k][0]] = (uint8_t)(tiles[k][0] == T_K ? 16 : tiles[k][0] == T_V ? 8 : g);
+        c.colsb[tiles[k][0]] = (uint16_t)tiles[k][1];
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Whether a call goes to the tiles: bf16, head_dim a multiple of 32, and 4 to 16 query heads
+ * per KV head (fewer are served faster by the dot instruction; more do not fit a tile). */
+static inline int tiles_for(const struct decode_args *a)
+{
+    return amx_ok && a->dtype == DT_BF16 && a->head_dim % 32 == 0 && a->group >= 4 && a->group <= 16;
+}
+
+static inline __attribute__((always_inline)) void attend_head_amx(const struct decode_args *a, const char *const *kr,
+                                                                 const char *const *vr, const char *const *next_k,
+                                                                 int nnext, v16i keep, int64_t h, const v16 *qv,
+                                                                 v16 *acc, float *m, v16 *lv, int N2)
+{
+    const int64_t n2 = N2 ? N2 : a->head_dim / 32, nd = 2 * n2, g = a->group;
+    const int64_t koff = h * a->k_head * 2, voff = h * a->v_head * 2;
+    __m512i kt[16 * (MAX_ND / 2)];
+    __m512bh vp[8][MAX_ND];
+    float scores[16][16] __attribute__((aligned(64))), out[16][16] __attribute__((aligned(64)));
+    uint16_t weights[16][16] __attribute__((aligned(64)));
+    float corr[16];
+    load_k_transposed(a, kr, vr, next_k, nnext, koff, voff, n2, kt);
+    pair_v_rows(vr, voff, n2, vp);
+    MEMORY_BARRIER();
+    _tile_zero(T_S);
+    for (int64_t c = 0; c < n2; c++) {
+        _tile_loadd(T_Q, qv + h * g * nd + c, nd * 64);
+        _tile_loadd(T_K, kt + 16 * c, 64);
+        _tile_dpbf16ps(T_S, T_Q, T_K);
+    }
+    _tile_stored(T_S, scores, 64);
+    for (int64_t r = 0; r < g; r++) {
+        v16 x;
+        memcpy(&x, scores[r], sizeof x);
+        x *= a->scale;
+        if (a->softcap > 0.f)
+            x = vsoftcap(x, a->softcap);
+        x = softmax_chunk(x, keep, &m[h * g + r], &lv[h * g + r], &corr[r]);
+        lv[h * g + r] += x;
+        const __m256bh rounded = _mm512_cvtneps_pbh((__m512)x);
+        memcpy(weights[r], &rounded, sizeof rounded);
+    }
+    MEMORY_BARRIER();
+    _tile_loadd(T_P, weights, 32);
+    for (int64_t c = 0; c < nd; c++) {
+        _tile_zero(T_O);
+        _tile_loadd(T_V, &vp[0][c], sizeof vp[0]);
+        _tile_dpbf16ps(T_O, T_P, T_V);
+        _tile_stored(T_O, out, 64);
+        for (int64_t r = 0; r < g; r++) {
+            v16 y;
+            memcpy(&y, out[r], sizeof y);
+            acc[(h * g + r) * nd + c] = acc[(h * g + r) * nd + c] * corr[r] + y;
+        }
+    }
+}
+#endif
+
+/* One sequence, every head. work: (2 * nd + 1) * heads vectors; ml: heads floats.
  * Returns -1 (nothing written) on a block id outside the cache. */
 static inline __attribute__((always_inline)) int run_seq(const struct decode_args *a, int64_t i, v16 *work,
-                                                         float *ml, int dt, int ND)
+                                                         float *ml, int dt, int ND, int dot)
 {
     const int64_t nd = ND ? ND : a->head_dim / 16;
     const int64_t kvh = a->num_kv_heads, g = a->group, heads = kvh * g, bs = a->block_size;
@@ -299,14 +602,19 @@ static inline __attribute__((always_inline)) int run_seq(const struct decode_arg
     const int32_t *table = a->block_tables + seq * a->table_row;
     const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
     v16 *qv = work, *acc = work + heads * nd;
-    float *m = ml, *l = ml + heads;
+    v16 *lv = acc + heads * nd;
+    float *m = ml;
     for (int64_t j = 0; j < heads; j++) {
+        const int64_t q0 = a->rows[i] * a->query_row + j * a->query_head;
         for (int64_t c = 0; c < nd; c++) {
-            qv[j * nd + c] = load16(a->query, a->rows[i] * a->query_row + j * a->query_head + c * 16, dt) * a->scale;
+            if (!dot)
+                qv[j * nd + c] = load16(a->query, q0 + c * 16, dt) * a->scale;
+            else if (2 * c < nd) /* bf16 as it is, 32 to a vector */
+                memcpy(&qv[j * nd + c], (const uint16_t *)a->query + q0 + c * 32, sizeof(v16));
             acc[j * nd + c] = splat(0.f);
         }
         m[j] = -INFINITY;
-        l[j] = 0.f;
+        lv[j] = splat(0.f);
     }
     for (int64_t b = start / bs; len > 0 && b <= (len - 1) / bs; b++)
         if (table[b] < 0 || table[b] >= a->num_blocks)
@@ -317,42 +625,67 @@ static inline __attribute__((always_inline)) int run_seq(const struct decode_arg
         const int64_t ntok = len - t0 < 16 ? len - t0 : 16, nnext = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
         if (nnext > 0)
             chunk_rows(a, table, t0 + 16, nnext, esize, next_k, next_v);
-        v16i keep;
-        for (int lane = 0; lane < 16; lane++)
+        v16i keep, keep_tok;
+        for (int lane = 0; lane < 16; lane++) {
             keep[lane] = PERM[lane] < ntok ? -1 : 0;
-        for (int64_t h = 0; h < kvh; h++)
-            for (int64_t j0 = h * g; j0 < (h + 1) * g; j0 += P) /* the first pass of a head prefetches */
-                attend_chunk(a, kr, vr, j0 == h * g ? next_k : NULL, (int)nnext, ntok, keep, h, j0,
-                             (int)((h + 1) * g - j0 < P ? (h + 1) * g - j0 : P), qv, acc, m, l, dt, ND);
+            keep_tok[lane] = lane < ntok ? -1 : 0;
+        }
+        for (int64_t h = 0; h < kvh; h++) {
+#if AMX_BF16
+            if (dot && tiles_for(a)) {
+                attend_head_amx(a, kr, vr, next_k, (int)nnext, keep_tok, h, qv, acc, m, lv, ND / 2);
+                continue;
+            }
+#endif
+            for (int64_t j0 = h * g; j0 < (h + 1) * g; j0 += P) { /* the first pass of a head prefetches */
+                const int np = (int)((h + 1) * g - j0 < P ? (h + 1) * g - j0 : P);
+#if DOT_BF16
+                if (dot) {
+                    attend_chunk_dot(a, kr, vr, j0 == h * g ? next_k : NULL, (int)nnext, ntok, keep, h, j0, np, qv,
+                                     acc, m, lv, ND / 2);
+                    continue;
+                }
+#endif
+                attend_chunk(a, kr, vr, j0 == h * g ? next_k : NULL, (int)nnext, ntok, keep, h, j0, np, qv, acc, m,
+                             lv, dt, ND);
+            }
+        }
         if (nnext > 0) {
             memcpy(kr, next_k, sizeof kr);
             memcpy(vr, next_v, sizeof vr);
         }
     }
     for (int64_t j = 0; j < heads; j++) {
-        const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+        const float sum = hsum(lv[j]), inv = sum > 0.f ? 1.f / sum : 0.f;
+        v16 *row = acc + j * nd;
+        for (int64_t c = 0; dot && c < nd; c += 2) { /* the dot path's lanes back in dim order */
+            const v16 x = row[c], y = row[c + 1];
+            row[c] = __builtin_shuffle(x, y, (v16i){0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23});
+            row[c + 1] = __builtin_shuffle(x, y, (v16i){8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31});
+        }
         for (int64_t c = 0; c < nd; c++)
-            store16(a->out, a->rows[i] * a->out_row + j * a->out_head + c * 16, acc[j * nd + c] * inv, dt);
+            store16(a->out, a->rows[i] * a->out_row + j * a->out_head + c * 16, row[c] * inv, dt);
     }
     return 0;
 }
 
 typedef int (*seq_fn)(const struct decode_args *, int64_t, v16 *, float *);
 
-#define VARIANT(NAME, DT, ND) \
-    static int NAME(const struct decode_args *a, int64_t i, v16 *w, float *ml) { return run_seq(a, i, w, ml, DT, ND); }
-VARIANT(f32_any, DT_F32, 0)
-VARIANT(f32_d32, DT_F32, 2)
-VARIANT(f32_d64, DT_F32, 4)
-VARIANT(f32_d128, DT_F32, 8)
-VARIANT(bf16_any, DT_BF16, 0)
-VARIANT(bf16_d32, DT_BF16, 2)
-VARIANT(bf16_d64, DT_BF16, 4)
-VARIANT(bf16_d128, DT_BF16, 8)
-VARIANT(f16_any, DT_F16, 0)
-VARIANT(f16_d32, DT_F16, 2)
-VARIANT(f16_d64, DT_F16, 4)
-VARIANT(f16_d128, DT_F16, 8)
+#define VARIANT(NAME, DT, ND, DOT) \
+    static int NAME(const struct decode_args *a, int64_t i, v16 *w, float *ml) { return run_seq(a, i, w, ml, DT, ND, DOT); }
+VARIANT(f32_any, DT_F32, 0, 0)
+VARIANT(f32_d32, DT_F32, 2, 0)
+VARIANT(f32_d64, DT_F32, 4, 0)
+VARIANT(f32_d128, DT_F32, 8, 0)
+VARIANT(bf16_any, DT_BF16, 0, 0)
+VARIANT(bf16_dot_any, DT_BF16, 0, DOT_BF16)
+VARIANT(bf16_d32, DT_BF16, 2, DOT_BF16)
+VARIANT(bf16_d64, DT_BF16, 4, DOT_BF16)
+VARIANT(bf16_d128, DT_BF16, 8, DOT_BF16)
+VARIANT(f16_any, DT_F16, 0, 0)
+VARIANT(f16_d32, DT_F16, 2, 0)
+VARIANT(f16_d64, DT_F16, 4, 0)
+VARIANT(f16_d128, DT_F16, 8, 0)
 
 static seq_fn pick(int dt, int64_t head_dim)
 {
@@ -360,6 +693,8 @@ static seq_fn pick(int dt, int64_t head_dim)
                                        {bf16_any, bf16_d32, bf16_d64, bf16_d128},
                                        {f16_any, f16_d32, f16_d64, f16_d128}};
     int which = head_dim == 32 ? 1 : head_dim == 64 ? 2 : head_dim == 128 ? 3 : 0;
+    if (dt == DT_BF16 && which == 0 && head_dim % 32 == 0)
+        return bf16_dot_any;
     return table[dt][which];
 }
 
@@ -374,12 +709,28 @@ static void *run_share(void *arg)
     struct share *sh = arg;
     const struct decode_args *a = sh->a;
     const int64_t heads = a->num_kv_heads * a->group, nd = a->head_dim / 16;
-    v16 *work = aligned_alloc(64, sizeof(v16) * (size_t)(2 * heads * nd));
-    float *ml = malloc(sizeof(float) * (size_t)(2 * heads));
+    v16 *work = aligned_alloc(64, sizeof(v16) * (size_t)((2 * nd + 1) * heads));
+    float *ml = malloc(sizeof(float) * (size_t)heads);
     seq_fn fn = pick(a->dtype, a->head_dim);
     sh->status = work && ml ? 0 : -2;
+#if AMX_BF16
+    struct tile_config before;
+    const int tiles = tiles_for(a) && sh->first < sh->end;
+    if (tiles) {
+        _tile_storeconfig(&before); /* all zero where the thread had none */
+        amx_configure((int)a->group);
+    }
+#endif
     for (int64_t i = sh->first; i < sh->end && sh->status == 0; i++)
         sh->status = fn(a, i, work, ml);
+#if AMX_BF16
+    if (tiles) { /* the thread's tiles as they were (torch's kernels keep their configuration across calls) */
+        if (before.palette)
+            _tile_loadconfig(&before);
+        else
+            _tile_release();
+    }
+#endif
     free(work);
     free(ml);
     return NULL;
@@ -413,6 +764,9 @@ static void run_team(void *arg)
 
 void kvd_decode_init(void)
 {
+#if AMX_BF16
+    amx_ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#endif
     v16 a[16];
     for (int t = 0; t < 16; t++) {
         a[t] = splat(0.f);
@@ -425,6 +779,10 @@ void kvd_decode_init(void)
     }
 }
 
+
+/* How bf16 is computed, as bits: 1 the dot instruction is built in (head_dim a multiple of
+ * 32), 2 the tile path is built in, 4 the kernel let this process use the tiles. */
+int kvd_decode_bf16_paths(void) { return DOT_BF16 | AMX_BF16 << 1 | amx_ok << 2; }
 
 void kvd_decode_use_openmp(void *parallel)
 {

@@ -12,7 +12,9 @@ caller keeps the torch path, and so may a caller that sets ``enabled = False``.
 
 Index values are the caller's to check (``torch_attention._check_ragged``),
 except block ids, which the kernel checks (``BadRequest``).
-Cost: a few microseconds of Python per call; K and V read once.
+Cost: a few microseconds of Python per call; K and V read once. ``bf16_path()``
+says how this machine computes bf16: ``"tiles"`` (AMX), ``"dot"`` (AVX512-BF16) or
+``"fp32"`` (widened).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def _library() -> ctypes.CDLL | None:
             lib.kvd_decode.restype = ctypes.c_int
             lib.kvd_decode_use_openmp.argtypes = [ctypes.c_void_p]
             lib.kvd_decode_use_openmp(_openmp_parallel())
+            lib.kvd_decode_bf16_paths.restype = ctypes.c_int
         _kernel, _tried = lib, True
     return _kernel
 
@@ -92,6 +95,19 @@ def _openmp_parallel() -> int | None:
         except (OSError, AttributeError):
             continue
     return None
+
+
+def bf16_path() -> str:
+    """``"tiles"``, ``"dot"`` or ``"fp32"``: how the kernel computes bf16 here (``"none"``: not built).
+
+    Tiles serve 4 to 16 query heads per KV head and the dot instruction the rest, each where
+    ``head_dim`` is a multiple of 32; other bf16 calls are widened to fp32.
+    """
+    lib = _library()
+    if lib is None:
+        return "none"
+    bits = lib.kvd_decode_bf16_paths()
+    return "tiles" if bits & 6 == 6 else "dot" if bits & 1 else "fp32"
 
 
 def usable(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

@@ -8,13 +8,16 @@ and ``test_attention`` covers it).
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
-from kvdaemon.client import cpu_decode
+from kvdaemon.client import c_kernel, cpu_decode
 from kvdaemon.client.attention import paged_attention
 from kvdaemon.errors import BadRequest
 
@@ -52,6 +55,70 @@ def check(batch: object, window: int | None = None, softcap: float | None = None
 def test_decode_matches_the_reference(dtype: torch.dtype, head_dim: int, group: int) -> None:
     batch = make_batch(DECODE, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, dtype=dtype, seed=group)
     check(batch)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [32, 64, 256])
+@pytest.mark.parametrize("group", [2, 4, 5, 16, 17, 32])
+def test_bf16_on_either_side_of_the_tile_limits(head_dim: int, group: int) -> None:
+    """Groups of 4 to 16 go to the tiles where the machine has them, others to the dot
+    instruction; a padded chunk (odd lengths) never lets the padding rows count."""
+    batch = make_batch(DECODE, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, dtype=torch.bfloat16,
+                       seed=group + head_dim)
+    check(batch)
+    check(batch, window=5, softcap=3.0)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((set(line.split(":", 1)[1].split()) for line in info if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@needs_kernel
+@pytest.mark.skipif("amx_bf16" not in _cpu_flags(), reason="the CPU has no AMX-BF16")
+def test_bf16_runs_on_the_tiles_where_the_cpu_has_them() -> None:
+    if not cpu_decode._library().kvd_decode_bf16_paths() & 2:  # type: ignore[union-attr]
+        pytest.skip("the C compiler does not build AMX code")
+    assert cpu_decode.bf16_path() == "tiles"
+
+
+@needs_kernel
+@pytest.mark.skipif("amx_bf16" not in _cpu_flags(), reason="the CPU has no AMX-BF16")
+def test_a_threads_tile_configuration_is_put_back(tmp_path: Path) -> None:
+    """torch's own kernels may keep their tile configuration across calls: after a call the
+    thread's configuration is the one it had (or none, where it had none)."""
+    if not cpu_decode._library().kvd_decode_bf16_paths() & 2:  # type: ignore[union-attr]
+        pytest.skip("the C compiler does not build AMX code")
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    source = Path(cpu_decode.__file__).with_name("cpu_decode.c")
+    probe = tmp_path / "probe"
+    subprocess.run([compiler, *c_kernel.FLAGS[:4], "-pthread", "-include", str(source), "-o", str(probe),
+                    str(Path(__file__).with_name("tile_config_probe.c")), "-lm"], check=True, timeout=120)
+    lines = subprocess.run([str(probe)], capture_output=True, text=True, check=True, timeout=60).stdout.splitlines()
+    assert lines == ["paths 7 status 0 out 3f80 kept 1", "released status 0 kept 1"]
+
+
+@needs_kernel
+def test_torchs_own_bf16_kernels_are_untouched_by_the_tiles(two_threads: None) -> None:
+    """torch's bf16 matmul and SDPA (oneDNN, on the same tiles where the machine has them, and
+    on the same OpenMP threads) give the same bits before and after the kernel ran."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(64, 256, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q, k, v = (torch.randn(4, 8, 64, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+
+    def torch_side() -> tuple[torch.Tensor, torch.Tensor]:
+        return a @ b.T, torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    before = torch_side()
+    batch = make_batch(DECODE * 2, num_heads=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, seed=9)
+    for _ in range(3):
+        check(batch)
+        after = torch_side()
+        for was, now in zip(before, after):
+            torch.testing.assert_close(now, was, atol=0, rtol=0)
 
 
 @needs_kernel
