@@ -671,8 +671,11 @@ static inline __attribute__((always_inline)) int run_seq(const struct decode_arg
 
 typedef int (*seq_fn)(const struct decode_args *, int64_t, v16 *, float *);
 
-#define VARIANT(NAME, DT, ND, DOT) \
-    static int NAME(const struct decode_args *a, int64_t i, v16 *w, float *ml) { return run_seq(a, i, w, ml, DT, ND, DOT); }
+#define VARIANT(NAME, DT, ND, DOT)                                               \
+    static int NAME(const struct decode_args *a, int64_t i, v16 *w, float *ml) \
+    {                                                                            \
+        return run_seq(a, i, w, ml, DT, ND, DOT);                                \
+    }
 VARIANT(f32_any, DT_F32, 0, 0)
 VARIANT(f32_d32, DT_F32, 2, 0)
 VARIANT(f32_d64, DT_F32, 4, 0)
