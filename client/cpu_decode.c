@@ -195,6 +195,58 @@ static inline v16 reduce16(const v16 *a)
 static int PERM[16];    /* filled once by kvd_decode_init */
 static v16i INVPERM;    /* lane of token t in reduce16's result */
 
+/* One chunk's weights for one query head from its scaled scores s: softcap, the online
+ * softmax (softmax_chunk), and the weights added to the head's running sums *lv. */
+static inline __attribute__((always_inline)) v16 chunk_weights(const struct decode_args *a, v16 s, v16i keep,
+                                                              float *m, v16 *lv, float *corr)
+{
+    if (a->softcap > 0.f)
+        s = vsoftcap(s, a->softcap);
+    s = softmax_chunk(s, keep, m, lv, corr);
+    *lv += s;
+    return s;
+}
+
+/* Prefetches into L2 (an L1 prefetch holds a fill buffer): a position's V row of this
+ * chunk and, when next_row is not NULL, the next chunk's K row, bytes of each. */
+static inline __attribute__((always_inline)) void prefetch_rows(const char *v_row, const char *next_row,
+                                                               int64_t bytes)
+{
+    for (int64_t off = 0; off < bytes; off += 64) {
+        __builtin_prefetch(v_row + off, 0, 2);
+        if (next_row)
+            __builtin_prefetch(next_row + off, 0, 2);
+    }
+}
+
+/* The outputs of query heads [j0, j0 + np) into registers, scaled by their corr (the
+ * softmax's max moved), and back: a pass accumulates its V rows in o in between. */
+static inline __attribute__((always_inline)) void outputs_in(const v16 *acc, int64_t j0, int np, int P, int64_t nd,
+                                                            const float *corr, v16 (*o)[MAX_ND])
+{
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        if (p >= np)
+            break;
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nd; c++)
+            o[p][c] = acc[(j0 + p) * nd + c] * corr[p];
+    }
+}
+
+static inline __attribute__((always_inline)) void outputs_out(v16 *acc, int64_t j0, int np, int P, int64_t nd,
+                                                             v16 (*o)[MAX_ND])
+{
+#pragma GCC unroll 4
+    for (int p = 0; p < P; p++) {
+        if (p >= np)
+            break;
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < nd; c++)
+            acc[(j0 + p) * nd + c] = o[p][c];
+    }
+}
+
 static inline __attribute__((always_inline)) v16 load16(const void *base, int64_t i, int dt)
 {
     if (dt == DT_F32) {
@@ -270,13 +322,8 @@ static inline __attribute__((always_inline)) void attend_chunk(const struct deco
     float corr[MAXP];
     for (int t = 0; t < 16; t++) {
         const char *k = kr[t] + koff;
-        if (next_k) { /* this chunk's V row and the next chunk's K row, a token at a time */
-            for (int64_t off = 0; off < a->head_dim * esize; off += 64) {
-                __builtin_prefetch(vr[t] + voff + off, 0, 2); /* to L2: an L1 prefetch holds a fill buffer */
-                if (t < nnext)
-                    __builtin_prefetch(next_k[t] + koff + off, 0, 2);
-            }
-        }
+        if (next_k) /* this chunk's V row and the next chunk's K row, a token at a time */
+            prefetch_rows(vr[t] + voff, t < nnext ? next_k[t] + koff : NULL, a->head_dim * esize);
 #pragma GCC unroll 4
         for (int p = 0; p < P; p++) {
             if (p >= np)
@@ -294,23 +341,11 @@ static inline __attribute__((always_inline)) void attend_chunk(const struct deco
         if (p >= np)
             break;
         const int64_t j = j0 + p;
-        v16 s = reduce16(part[p]);
-        if (a->softcap > 0.f)
-            s = vsoftcap(s, a->softcap);
-        s = softmax_chunk(s, keep, &m[j], &lv[j], &corr[p]);
-        lv[j] += s;
-        s = __builtin_shuffle(s, INVPERM);
+        const v16 s = __builtin_shuffle(chunk_weights(a, reduce16(part[p]), keep, &m[j], &lv[j], &corr[p]), INVPERM);
         memcpy(w[p], &s, sizeof s);
     }
     v16 o[MAXP][MAX_ND];
-#pragma GCC unroll 4
-    for (int p = 0; p < P; p++) {
-        if (p >= np)
-            break;
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < nd; c++)
-            o[p][c] = acc[(j0 + p) * nd + c] * corr[p];
-    }
+    outputs_in(acc, j0, np, P, nd, corr, o);
     for (int64_t t = 0; t < ntok; t++) {
         const char *v = vr[t] + voff;
         v16 vv[MAX_ND];
@@ -327,14 +362,7 @@ static inline __attribute__((always_inline)) void attend_chunk(const struct deco
                 o[p][c] += weight * vv[c];
         }
     }
-#pragma GCC unroll 4
-    for (int p = 0; p < P; p++) {
-        if (p >= np)
-            break;
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < nd; c++)
-            acc[(j0 + p) * nd + c] = o[p][c];
-    }
+    outputs_out(acc, j0, np, P, nd, o);
 }
 
 #if DOT_BF16
@@ -362,13 +390,8 @@ static inline __attribute__((always_inline)) void attend_chunk_dot(const struct 
     float corr[MAXP];
     for (int t = 0; t < 16; t++) {
         const char *k = kr[t] + koff;
-        if (next_k) {
-            for (int64_t off = 0; off < n2 * 64; off += 64) {
-                __builtin_prefetch(vr[t] + voff + off, 0, 2);
-                if (t < nnext)
-                    __builtin_prefetch(next_k[t] + koff + off, 0, 2);
-            }
-        }
+        if (next_k)
+            prefetch_rows(vr[t] + voff, t < nnext ? next_k[t] + koff : NULL, n2 * 64);
 #pragma GCC unroll 4
         for (int p = 0; p < P; p++) {
             if (p >= np)
@@ -386,23 +409,12 @@ static inline __attribute__((always_inline)) void attend_chunk_dot(const struct 
         if (p >= np)
             break;
         const int64_t j = j0 + p;
-        v16 s = reduce16(part[p]) * a->scale;
-        if (a->softcap > 0.f)
-            s = vsoftcap(s, a->softcap);
-        s = softmax_chunk(s, keep, &m[j], &lv[j], &corr[p]);
-        lv[j] += s;
+        const v16 s = chunk_weights(a, reduce16(part[p]) * a->scale, keep, &m[j], &lv[j], &corr[p]);
         const __m256bh rounded = _mm512_cvtneps_pbh((__m512)__builtin_shuffle(s, INVPERM));
         memcpy(w[p], &rounded, sizeof rounded);
     }
     v16 o[MAXP][MAX_ND];
-#pragma GCC unroll 4
-    for (int p = 0; p < P; p++) {
-        if (p >= np)
-            break;
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < nd; c++)
-            o[p][c] = acc[(j0 + p) * nd + c] * corr[p];
-    }
+    outputs_in(acc, j0, np, P, nd, corr, o);
     for (int64_t tp = 0; 2 * tp < ntok; tp++) {
         const char *v0 = vr[2 * tp] + voff, *v1 = vr[2 * tp + 1] + voff;
         __m512bh lo[MAX_ND / 2], hi[MAX_ND / 2];
@@ -424,14 +436,7 @@ static inline __attribute__((always_inline)) void attend_chunk_dot(const struct 
             }
         }
     }
-#pragma GCC unroll 4
-    for (int p = 0; p < P; p++) {
-        if (p >= np)
-            break;
-#pragma GCC unroll 16
-        for (int64_t c = 0; c < nd; c++)
-            acc[(j0 + p) * nd + c] = o[p][c];
-    }
+    outputs_out(acc, j0, np, P, nd, o);
 }
 /* 16 rows of 16 32-bit words -> 16 columns: r[c] lane t = word c of row t. 64 shuffles. */
 static inline void transpose16(__m512i *r)
@@ -469,11 +474,8 @@ static inline __attribute__((always_inline)) void load_k_transposed(const struct
 {
     (void)a;
     for (int t = 0; t < 16; t++) {
-        for (int64_t off = 0; next_k && off < n2 * 64; off += 64) {
-            __builtin_prefetch(vr[t] + voff + off, 0, 2);
-            if (t < nnext)
-                __builtin_prefetch(next_k[t] + koff + off, 0, 2);
-        }
+        if (next_k)
+            prefetch_rows(vr[t] + voff, t < nnext ? next_k[t] + koff : NULL, n2 * 64);
         for (int64_t c = 0; c < n2; c++)
             kt[c * 16 + t] = _mm512_loadu_si512(kr[t] + koff + c * 64);
     }
@@ -565,11 +567,7 @@ static inline __attribute__((always_inline)) void attend_head_amx(const struct d
     for (int64_t r = 0; r < g; r++) {
         v16 x;
         memcpy(&x, scores[r], sizeof x);
-        x *= a->scale;
-        if (a->softcap > 0.f)
-            x = vsoftcap(x, a->softcap);
-        x = softmax_chunk(x, keep, &m[h * g + r], &lv[h * g + r], &corr[r]);
-        lv[h * g + r] += x;
+        x = chunk_weights(a, x * a->scale, keep, &m[h * g + r], &lv[h * g + r], &corr[r]);
         const __m256bh rounded = _mm512_cvtneps_pbh((__m512)x);
         memcpy(weights[r], &rounded, sizeof rounded);
     }
