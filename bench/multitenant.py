@@ -53,7 +53,11 @@ An overload seed's line also gives the throughput ratio of each repeat's pair
 (the two modes' runs side by side in the ABBA order) as a geometric mean with
 its 95% interval (``throughput_paired*`` in the results): the verdict reads the
 pooled ratio, and the interval says whether the machine's drift between runs
-could have decided it.
+could have decided it. Under it, the lowest and the highest pair, each run's
+makespan beside its driver's CPU time, steps, computed tokens, preemptions and
+the hypervisor's steal (``extreme_pairs``; every repeat's figures are in the
+results, ``repeat_runs``): whether an outlying pair moved by its work, by the
+CPU's speed, or off the CPU.
 
 The engines' forward runs on ``--torch-threads`` threads, by default one fewer
 than torch's own (one per physical core), so the daemon process and the pools' agent
@@ -111,6 +115,8 @@ OVERLOAD_FACTOR = 1.5
 OVERLOAD_S = 20.0
 LIGHT_RATE = 0.5  # the light seeds' rates, of the bursty traces' (calibrated) rates
 CALIBRATION_REQUESTS = 30  # per tenant
+# each repeat's figures kept in the results (``repeat_runs``)
+REPEAT_FIGURES = ("makespan_s", "driver_cpu_s", "steal_s", "steps", "computed_tokens", "preemptions")
 MAX_SEED = 1000  # a family of more traces than this would run for days
 DESIGN_SERVED_RPS = 12.0  # the calibration figure the bursty trace's rates were chosen for
 
@@ -184,7 +190,27 @@ def _pool(done: dict[str, list[ModeRun]], num_tenants: int) -> dict[str, Any]:
     repeats = {mode: [summarize(run, num_tenants)["overall"] for run in mode_runs] for mode, mode_runs in done.items()}
     return {"runs": runs, "results": {mode: summarize(run, num_tenants) for mode, run in runs.items()},
             "repeat_p99": {mode: [o["ttft_p99_s"] for o in overall] for mode, overall in repeats.items()},
-            "repeat_tokens_per_s": {mode: [o["tokens_per_s"] for o in overall] for mode, overall in repeats.items()}}
+            "repeat_tokens_per_s": {mode: [o["tokens_per_s"] for o in overall] for mode, overall in repeats.items()},
+            "repeat_runs": {mode: [{k: o[k] for k in REPEAT_FIGURES} for o in overall]
+                            for mode, overall in repeats.items()}}
+
+
+def extreme_pairs(repeat_runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The lowest and highest paired throughput ratio, each with its two runs' figures side by side
+    (static/elastic): whether a pair moved by work (steps, computed tokens), by the driver's CPU,
+    or off it (makespan beyond the CPU time; steal: the hypervisor's)."""
+    pairs = list(zip(repeat_runs["static"], repeat_runs["elastic"]))
+    ratio = [s["makespan_s"] / e["makespan_s"] for s, e in pairs]
+    lines = []
+    for name, i in (("lowest", min(range(len(pairs)), key=ratio.__getitem__)),
+                    ("highest", max(range(len(pairs)), key=ratio.__getitem__))):
+        s, e = pairs[i]
+        lines.append(f"{name} pair {i}: {ratio[i]:.3f}x; static/elastic makespan {s['makespan_s']:.2f}/"
+                     f"{e['makespan_s']:.2f} s, driver CPU {s['driver_cpu_s']:.2f}/{e['driver_cpu_s']:.2f} s, "
+                     f"steps {s['steps']}/{e['steps']}, computed tokens {s['computed_tokens']}/{e['computed_tokens']}, "
+                     f"preemptions {s['preemptions']}/{e['preemptions']}, "
+                     f"steal {s['steal_s']:.2f}/{e['steal_s']:.2f} s")
+    return lines
 
 
 def paired_throughput(repeat_tokens_per_s: dict[str, list[float]]) -> dict[str, float]:
@@ -439,8 +465,10 @@ def main() -> None:
                         opts.overload_repeats, cores=cores)
         r = {**ratios(done["results"]), **paired_throughput(done["repeat_tokens_per_s"])}
         rows.append({"class": "overload", "seed": str(seed), "ratios": r, "results": done["results"],
-                     "repeat_tokens_per_s": done["repeat_tokens_per_s"]})
+                     "repeat_tokens_per_s": done["repeat_tokens_per_s"], "repeat_runs": done["repeat_runs"]})
         print_seed("overload", str(seed), done["results"], r)
+        for line in extreme_pairs(done["repeat_runs"]):
+            print(f"{'':<18}{line}")
     worst = print_worst(rows)
     save("multitenant", {"capacity_bytes": capacity, "third_bytes": third, "served_rps": served,
                          "driver_cores": sorted(cores) if cores else None,

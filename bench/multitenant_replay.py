@@ -81,6 +81,21 @@ class ModeRun:
     computed_tokens: list[int] = field(default_factory=list)  # tokens forwards computed (cache hits not)
     steps: list[int] = field(default_factory=list)
     peak_used_bytes: list[int] = field(default_factory=list)
+    driver_cpu_s: float = 0.0  # CPU time of the driver thread while it served
+    steal_s: float = 0.0  # time the hypervisor gave this VM's cores to others meanwhile (``host_steal_s``)
+
+
+def host_steal_s() -> float:
+    """Seconds of CPU the hypervisor has stolen from this machine since boot, all cores
+    together (``/proc/stat``'s steal column); 0.0 where the kernel does not say. O(1)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return 0.0
+    if len(fields) < 9 or fields[0] != "cpu":
+        return 0.0
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
 
 
 def open_pool(client: KVClient, mode: str, tenant: int, spec: KVSpec, third_bytes: int) -> KVPool:
@@ -136,8 +151,12 @@ def replay(
     with daemon_process(str(capacity_bytes), "--page-size", str(PAGE_BYTES)) as client:
         pools = [open_pool(client, mode, i, spec, third) for i in range(len(models))]
         engines = [Engine(m, p, max_num_batched_tokens=budget) for m, p in zip(models, pools)]
+        steal_before = host_steal_s()
         with frozen_heap(), pinned(cores):  # no full collection walks the models mid-replay
+            cpu_before = time.thread_time()
             t0 = _serve(run, engines, pools, trace)
+            run.driver_cpu_s = time.thread_time() - cpu_before
+        run.steal_s = host_steal_s() - steal_before
         run.makespan_s = max(r.finish_s for _, r in run.requests) - t0
         _sample(run, pools, time.perf_counter() - t0)
         run.preemptions = [e.num_preemptions for e in engines]
@@ -183,6 +202,8 @@ def pooled(runs: list[ModeRun]) -> ModeRun:
     merged = ModeRun(runs[0].mode, timeline=runs[0].timeline)
     merged.requests = [pair for run in runs for pair in run.requests]
     merged.makespan_s = sum(run.makespan_s for run in runs)
+    merged.driver_cpu_s = sum(run.driver_cpu_s for run in runs)
+    merged.steal_s = sum(run.steal_s for run in runs)
     for name in ("preemptions", "computed_tokens", "steps"):
         setattr(merged, name, [sum(column) for column in zip(*(getattr(run, name) for run in runs))])
     merged.peak_used_bytes = [max(column) for column in zip(*(run.peak_used_bytes for run in runs))]
@@ -226,6 +247,8 @@ def summarize(run: ModeRun, num_tenants: int) -> dict[str, Any]:
     overall["computed_tokens"] = sum(run.computed_tokens)
     overall["steps"] = sum(run.steps)
     overall["makespan_s"] = run.makespan_s
+    overall["driver_cpu_s"] = run.driver_cpu_s
+    overall["steal_s"] = run.steal_s
     return {"tenants": per_tenant, "overall": overall}
 
 

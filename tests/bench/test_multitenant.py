@@ -108,6 +108,8 @@ def test_repeats_run_the_modes_in_abba_order_and_pool_every_run(monkeypatch: pyt
     static = done["runs"]["static"]
     assert static.makespan_s == 4.0 and len(static.requests) == 4
     assert static.preemptions == [1 + 4 + 5 + 8]  # the static runs' own counts, summed
+    assert [r["preemptions"] for r in done["repeat_runs"]["static"]] == [1, 4, 5, 8]  # each repeat kept
+    assert set(done["repeat_runs"]["elastic"][0]) == set(multitenant.REPEAT_FIGURES)
 
 
 def _fake_replays(monkeypatch: pytest.MonkeyPatch, order: list[str], peak_bytes: int = 0) -> None:
@@ -279,3 +281,37 @@ def test_the_overload_worst_line_gives_the_worst_seeds_paired_interval(capsys: p
     del rows[1]["ratios"]["throughput_paired_low"]  # a row without pairs: no interval printed
     multitenant.print_worst(rows)
     assert "interval" not in capsys.readouterr().out.splitlines()[-1]
+
+
+def repeat_figures(makespan_s: float, driver_cpu_s: float, steps: int) -> dict[str, Any]:
+    return {"makespan_s": makespan_s, "driver_cpu_s": driver_cpu_s, "steal_s": 0.0, "steps": steps,
+            "computed_tokens": 10 * steps, "preemptions": 1}
+
+
+def test_the_extreme_pairs_are_the_lowest_and_highest_paired_ratio_with_both_runs_figures() -> None:
+    runs = {"static": [repeat_figures(10.0, 9.5, 100), repeat_figures(10.0, 9.6, 101), repeat_figures(9.0, 8.9, 99)],
+            "elastic": [repeat_figures(10.0, 9.4, 100), repeat_figures(12.5, 9.7, 102), repeat_figures(8.0, 7.9, 98)]}
+    lowest, highest = multitenant.extreme_pairs(runs)
+    assert lowest.startswith("lowest pair 1: 0.800x; static/elastic makespan 10.00/12.50 s, driver CPU 9.60/9.70 s")
+    assert "steps 101/102, computed tokens 1010/1020" in lowest
+    assert highest.startswith("highest pair 2: 1.125x; static/elastic makespan 9.00/8.00 s")
+
+
+def test_a_replay_records_its_drivers_cpu_time_and_the_pooled_run_sums_them() -> None:
+    from engine import build_model
+
+    models = [build_model(seed) for seed in range(3)]
+    trace = [Arrival(0.01 * i, i % 3, [3 + i] * 40, 4) for i in range(6)]
+    runs = [multitenant_replay.replay("static", models, trace, 4 * MiB, 512) for _ in range(2)]
+    for run in runs:
+        assert 0.0 < run.driver_cpu_s <= run.makespan_s + 0.05  # the driver's thread only, while it served
+        assert run.steal_s >= 0.0
+    pooled = multitenant_replay.pooled(runs)
+    assert pooled.driver_cpu_s == pytest.approx(sum(run.driver_cpu_s for run in runs))
+    overall = multitenant_replay.summarize(pooled, 3)["overall"]
+    assert overall["driver_cpu_s"] == pooled.driver_cpu_s and overall["steal_s"] == pooled.steal_s
+
+
+def test_the_hosts_steal_is_read_from_proc_stat_and_never_goes_back() -> None:
+    first = multitenant_replay.host_steal_s()
+    assert first >= 0.0 and multitenant_replay.host_steal_s() >= first
