@@ -57,10 +57,10 @@ from kvdaemon.errors import (
 log = logging.getLogger("kvdaemon.client.pool")
 REFUSED_S = 1.0
 """After the daemon refused a grow for want of memory, a grow that may not wait of a pool
-the agent maps ahead for (an engine's: its agent probes, backing off) for more pages than
-the refusal said would have fit is refused here, without a round trip, until a grow
-succeeds again, the daemon says pages are free for it (``free`` notice), or this long has
-passed (the daemon's ``STARVED_S``: as long as it counts the pool short and so tells it)."""
+the agent maps ahead for (an engine's: its agent probes, backing off) is refused here,
+without a round trip, until a grow succeeds again, the daemon says pages are free for it
+(``free`` notice), or this long has passed (the daemon's ``STARVED_S``: as long as it
+counts the pool short and so tells it)."""
 
 
 class PoolCore:
