@@ -92,7 +92,7 @@ class PoolCore:
         self.spare_blocks = 0  # spare kept past ``num_spare_pages`` until asked for (``keep_free``)
         self.ahead_blocks = 0  # mapped ahead of need, kept until asked for (``keep_free``)
         self.refused_at = float("-inf")  # when the daemon last had no memory for a grow
-        self.refused_fit_pages = 0  # ... the most logical pages it could have granted then (larger grows wait)
+        self.refused_pages = 0  # ... of how many logical pages (smaller grows still ask)
         self.ahead_refused_at = float("-inf")  # when the daemon last had nothing to spare ahead of need
         self.fair_bytes: int | None = None  # this tenant's fair share, as the daemon last told it
         self.ahead_room_bytes: int | None = None  # what a grow ahead of need could take, as last told
@@ -147,10 +147,8 @@ class PoolCore:
 
         ``wait_s``: how long the daemon may wait for other tenants' pages
         (default ``grow_wait_s``). A grow that may not wait, of a pool the
-        agent maps ahead for (a reserve or a floor), is refused here, without a
-        round trip, when it wants more pages than the daemon's last refusal
-        said it could have had (``NoMemory.free_pages``; a daemon that does
-        not tell: as many pages as that refusal or more), until a grow succeeds
+        agent maps ahead for (a reserve or a floor), is refused here after a
+        refusal of the daemon of as many pages or fewer, until a grow succeeds
         again (the agent's ``probe``, which takes whatever the daemon has, at
         least one page, in one round trip), a ``free`` notice, or ``REFUSED_S``
         passed. ``ahead``: a probe for pages
@@ -167,7 +165,7 @@ class PoolCore:
             self.check_can_grow()
             needed = -(-(num_blocks - self.allocator.num_free) // self.allocator.blocks_per_page)
             needed = min(needed, self.max_grant_pages)  # one frame's worth a round trip; the loop asks again
-            if (wait == 0 and not probe and mapped_ahead and needed > self.refused_fit_pages
+            if (wait == 0 and not probe and mapped_ahead and needed >= self.refused_pages
                     and time.monotonic() - self.refused_at < REFUSED_S):  # fmt: skip
                 raise PoolExhausted(f"pool {self.name!r}: the daemon had no memory free just now")
             skip = self.lease.in_flight | self.pending_return
@@ -195,7 +193,7 @@ class PoolCore:
                 if ahead:
                     self.ahead_refused_at = time.monotonic()
                 else:
-                    self.refused_at, self.refused_fit_pages = time.monotonic(), self._fit_pages(exc, needed)
+                    self.refused_at, self.refused_pages = time.monotonic(), needed
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
             except OverLimit as exc:
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
@@ -207,13 +205,6 @@ class PoolCore:
             self.refused_at = float("-inf")
             if probe:
                 return  # what the daemon had; the agent asks again when the engine needs more
-
-    @staticmethod
-    def _fit_pages(refusal: NoMemory, needed: int) -> int:
-        """The most logical pages a grow could have had when ``refusal`` answered one of
-        ``needed``: what the daemon told, else fewer than ``needed``. O(1)."""
-        told = refusal.free_pages
-        return needed - 1 if told is None else min(told, needed - 1)
 
     def grow_reserve(self) -> bool:
         """Map pages until ``reserve_blocks`` are free, as far as the daemon has them now (lock

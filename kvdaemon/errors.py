@@ -8,8 +8,6 @@ the client side.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 
 class KVDaemonError(Exception):
     """Root of every kvdaemon error. ``code`` is the stable wire code."""
@@ -19,11 +17,6 @@ class KVDaemonError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
-
-    def wire_fields(self) -> dict[str, int]:
-        """Structured figures the error carries on the wire besides its code and message
-        (none here; ``NoMemory`` has one). O(1)."""
-        return {}
 
 
 class BadRequest(KVDaemonError):
@@ -51,21 +44,9 @@ class Forbidden(KVDaemonError):
 
 
 class NoMemory(KVDaemonError):
-    """The pool has too few free pages to grant the request.
-
-    ``free_pages``: the most logical pages a grow of the tenant could have had
-    when it was refused (what the free pages allowed it), so that it need not
-    ask again for more until pages come back; ``None`` when not told.
-    """
+    """The pool has too few free pages to grant the request."""
 
     code = "NO_MEMORY"
-
-    def __init__(self, message: str, free_pages: int | None = None) -> None:
-        super().__init__(message)
-        self.free_pages = free_pages
-
-    def wire_fields(self) -> dict[str, int]:
-        return {} if self.free_pages is None else {"free_pages": self.free_pages}
 
 
 class OverLimit(KVDaemonError):
@@ -209,15 +190,11 @@ _BY_CODE: dict[str, type[KVDaemonError]] = {
 }
 
 
-def from_code(code: str, message: str, fields: Mapping[str, object] | None = None) -> KVDaemonError:
-    """Rebuild the error for a wire ``code``; unknown codes give the root class.
-    ``fields``: the error's structured figures (``wire_fields``); one malformed is dropped."""
+def from_code(code: str, message: str) -> KVDaemonError:
+    """Rebuild the error for a wire ``code``; unknown codes give the root class."""
     cls = _BY_CODE.get(code, KVDaemonError)
     error = cls.__new__(cls)
     KVDaemonError.__init__(error, message)
     if isinstance(error, BackendError):
         error.driver_code = None
-    if isinstance(error, NoMemory):
-        free = (fields or {}).get("free_pages")
-        error.free_pages = free if type(free) is int and free >= 0 else None
     return error

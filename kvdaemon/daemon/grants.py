@@ -99,8 +99,7 @@ class Grants:
         ``OverLimit`` when the tenant's limit allows fewer than ``min_pages``,
         ``NoMemory`` when the free pages do (less those held for short tenants
         below their share, ``Shares.free_for``, past this tenant's own share;
-        ``ahead``: less the low-water pages too, ``Shares.free_for_ahead``), its
-        ``free_pages`` saying how many they do allow;
+        ``ahead``: less the low-water pages too, ``Shares.free_for_ahead``);
         ``Asleep``/``Conflict``/``BadRequest`` for a tenant that may not grow or
         pages it already holds.
         """
@@ -137,8 +136,7 @@ class Grants:
                 held = f" ({self.pages.num_free - num_free} held for tenants short below their share)"
             raise NoMemory(
                 f"{min_pages} logical page(s) need {min_pages * tenant.spec.num_segments} "
-                f"pages, {self.pages.num_free} free{held}",
-                free_pages=by_free,
+                f"pages, {self.pages.num_free} free{held}"
             )
         return min(len(candidates), by_limit, by_free, cap)
 

@@ -2,9 +2,7 @@
 
 A request is a map ``{"id": int, "op": str, "args": map}``; its reply is
 ``{"id": int, "ok": true, "result": ...}`` or
-``{"id": int, "ok": false, "error": {"code": str, "message": str}}``, the error map
-holding the error's structured figures besides (``KVDaemonError.wire_fields``:
-``free_pages`` of a ``NO_MEMORY``).
+``{"id": int, "ok": false, "error": {"code": str, "message": str}}``.
 A message the daemon sends on its own (a notice: ``shutdown``, ``reclaim``) is
 ``{"notice": str, "args": map}``.
 
@@ -160,8 +158,9 @@ def reply_ok(request_id: int | None, result: object) -> bytes:
 
 
 def reply_error(request_id: int | None, error: KVDaemonError) -> bytes:
-    return encode({"id": request_id, "ok": False,
-                   "error": {"code": error.code, "message": error.message, **error.wire_fields()}})
+    return encode(
+        {"id": request_id, "ok": False, "error": {"code": error.code, "message": error.message}}
+    )
 
 
 def notice(kind: str, args: Mapping[str, Any]) -> bytes:
@@ -175,7 +174,7 @@ def result_of(reply: Mapping[str, Any]) -> Any:
     error = reply.get("error")
     if not isinstance(error, Mapping):
         raise BadRequest("malformed reply from the daemon")
-    raise from_code(str(error.get("code")), str(error.get("message")), error)
+    raise from_code(str(error.get("code")), str(error.get("message")))
 
 
 class Args:

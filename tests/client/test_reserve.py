@@ -12,8 +12,7 @@ import torch
 
 from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted, pool_agent
 from kvdaemon.daemon import reclaim, shares
-from kvdaemon.client.pool_core import PoolCore
-from kvdaemon.errors import BadRequest, NoMemory
+from kvdaemon.errors import BadRequest
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
 
@@ -36,20 +35,6 @@ def occupy(client: KVClient, num_pages: int) -> tuple[KVPool, list[int]]:
     """A tenant "hog" holding ``num_pages`` logical pages of live blocks, and those blocks."""
     hog = client.register("hog", SPEC, num_spare_pages=0, num_prefetch_pages=0)
     return hog, hog.alloc(num_pages * BLOCKS_PER_PAGE)
-
-
-def count_engine_grows(pool: KVPool) -> list[tuple[object, ...]]:
-    """The arguments of every grow the engine's thread (not the agent) sends from here on."""
-    lease, asked = pool.lease, []
-    grow = lease.grow
-
-    def counted(*args: object, **kwargs: object) -> object:
-        if threading.current_thread() is threading.main_thread():
-            asked.append(args)
-        return grow(*args, **kwargs)
-
-    lease.grow = counted  # type: ignore[method-assign]
-    return asked
 
 
 def test_the_agent_maps_the_reserve_ahead_and_alloc_needs_no_grow(kvd: RunningDaemon) -> None:
@@ -166,7 +151,15 @@ def test_a_full_daemon_is_not_asked_again_at_once_while_the_agent_probes(kvd: Ru
     hog, held = occupy(client, 8)  # the whole device
     pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
     pool.keep_free(2 * BLOCKS_PER_PAGE)  # an engine's reserve: more than the daemon has
-    asked = count_engine_grows(pool)
+    lease, asked = pool.lease, []
+    grow = lease.grow
+
+    def counted(*args: object, **kwargs: object) -> object:
+        if threading.current_thread() is threading.main_thread():  # the engine's, not the agent's
+            asked.append(args)
+        return grow(*args, **kwargs)
+
+    lease.grow = counted  # type: ignore[method-assign]
     with pytest.raises(PoolExhausted):
         pool.alloc(3 * BLOCKS_PER_PAGE)
     before = len(asked)
@@ -178,32 +171,6 @@ def test_a_full_daemon_is_not_asked_again_at_once_while_the_agent_probes(kvd: Ru
     assert len(pool.alloc(2 * BLOCKS_PER_PAGE)) == 2 * BLOCKS_PER_PAGE
     pool.close()
     hog.close()
-
-
-def test_a_smaller_grow_than_the_refused_one_is_not_asked_past_what_the_daemon_said_was_free(
-    kvd: RunningDaemon,
-) -> None:
-    client = kvd.client()
-    hog, held = occupy(client, 8)  # the whole device
-    pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0.0)
-    pool.keep_free(2 * BLOCKS_PER_PAGE)
-    asked = count_engine_grows(pool)
-    with pytest.raises(PoolExhausted, match="refused 3"):
-        pool.alloc(3 * BLOCKS_PER_PAGE)  # the daemon: no page would have fit
-    assert pool.core.refused_fit_pages == 0
-    with pytest.raises(PoolExhausted, match="just now"):
-        pool.alloc(BLOCKS_PER_PAGE)
-    assert len(asked) == 1, "the engine asked again for a page the daemon had just said it did not have"
-    pool.close()
-    hog.free(held)
-    hog.close()
-
-
-@pytest.mark.parametrize(("told", "needed", "fit"), [(None, 3, 2), (0, 3, 0), (2, 3, 2), (5, 3, 2), (None, 1, 0)])
-def test_what_would_have_fit_is_what_the_daemon_told_and_less_than_was_refused(
-    told: int | None, needed: int, fit: int,
-) -> None:
-    assert PoolCore._fit_pages(NoMemory("no memory", free_pages=told), needed) == fit
 
 
 def test_the_floor_is_mapped_ahead_and_a_reclaim_takes_it_until_memory_is_free(kvd: RunningDaemon) -> None:

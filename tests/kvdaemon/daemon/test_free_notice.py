@@ -86,14 +86,3 @@ def test_status_tells_each_tenants_fair_share_and_whether_it_is_short(h: Harness
     assert (rows["a"]["short"], rows["hog"]["short"]) == (True, False)
     h.tick(STARVED_S)
     assert not any(row["short"] for row in h.ok("status")["tenants"]), "a refusal older than STARVED_S"
-
-
-def test_a_refusal_says_how_many_logical_pages_the_free_ones_allowed(h: Harness) -> None:
-    _, tok = tokens(h, {"hog": 6, "a": 2})  # every page mapped; a below its share of four, hog past it
-    reply = h.call("grow", **h.auth("a", tok["a"], logical_pages=[2, 3], wait_s=0))
-    assert reply["error"]["code"] == "NO_MEMORY" and reply["error"]["free_pages"] == 0
-    h.ok("shrink", **h.auth("hog", tok["hog"], logical_pages=[5]))  # one logical page free
-    reply = h.call("grow", **h.auth("hog", tok["hog"], logical_pages=[5], wait_s=0))
-    assert reply["error"]["free_pages"] == 0, "the page a short tenant below its share is owed was offered"
-    reply = h.call("grow", **h.auth("a", tok["a"], logical_pages=[2, 3, 4], wait_s=0))
-    assert reply["error"]["code"] == "NO_MEMORY" and reply["error"]["free_pages"] == 1
