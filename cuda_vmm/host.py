@@ -122,8 +122,9 @@ class HostBackend:
         if self.num_pages:
             self.pool_fd = os.memfd_create("kvdaemon-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self.pool_fd, self.num_pages * self.page_size_bytes)
-            # No process holding the fd may resize the pool (a shrink would SIGBUS every mapper).
-            fcntl.fcntl(self.pool_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            # No process holding the fd may resize the pool (a shrink would SIGBUS every mapper),
+            # nor seal it further (a write seal would make every later release fail).
+            fcntl.fcntl(self.pool_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
 
     def close(self) -> None:
         if self._libc is None:

@@ -54,6 +54,9 @@ def header_lines(dir: Path, status: dict[str, Any], num_registered: int | None =
     if status.get("quarantined_bytes"):
         lines.append(f"quarantined {format_bytes(status['quarantined_bytes'])}: pages of ended leases "
                      "whose processes may still map them, freed when those processes exit")
+    if status.get("retired_bytes"):
+        lines.append(f"retired {format_bytes(status['retired_bytes'])}: pages whose release failed, never "
+                     "granted again (see the daemon's log); restart the daemon to get them back")
     never = int(status.get("counters", {}).get("never_attached", 0))
     if never:
         lines.append(f"{never} registration(s) dropped without ever attaching (a client that died, or a flood)")

@@ -14,11 +14,15 @@ never-touched pages first and releases and re-creates an idle page before
 handing it out (fresh pages read zero). ``trim(now)`` releases the idle pages
 whose time is up. Idle pages count as free everywhere.
 
+*Retired* pages: a page whose release failed (its memory may still hold an
+owner's bytes, or the backend still counts it as created) is never granted
+again: it leaves the free stack for good and is logged (``num_retired``).
+
 Invariants (``check`` asserts them):
 
-- every page id is either free (on the free stack, or idle) or owned by
-  exactly one ``(tenant_id, segment, logical_page)``;
-- ``num_free + num_owned == num_pages``.
+- every page id is either free (on the free stack, or idle), retired, or
+  owned by exactly one ``(tenant_id, segment, logical_page)``;
+- ``num_free + num_owned + num_retired == num_pages``.
 
 Cost: ``alloc`` and ``free`` are O(1) per page plus one backend create/release.
 """
@@ -56,6 +60,7 @@ class DevicePages:
         self._idle: OrderedDict[int, tuple[PhysicalPage, float]] = OrderedDict()  # oldest first
         self._owners: dict[int, Owner] = {}
         self._pages: dict[int, PhysicalPage] = {}
+        self._retired: set[int] = set()
 
     @property
     def num_free(self) -> int:
@@ -64,6 +69,11 @@ class DevicePages:
     @property
     def num_idle(self) -> int:
         return len(self._idle)
+
+    @property
+    def num_retired(self) -> int:
+        """Pages whose release failed: never granted again (see the module docstring)."""
+        return len(self._retired)
 
     @property
     def capacity_bytes(self) -> int:
@@ -89,20 +99,26 @@ class DevicePages:
                 self._pages[page.page_id] = page
                 self._owners[page.page_id] = owner
                 pages.append(page)
-        except BackendError:
+        except (BackendError, NoMemory):
             self.free([p.page_id for p in pages])
             raise
         return pages
 
     def _take(self, overwrite: bool) -> PhysicalPage:
-        """A free page: an idle one as it is (``overwrite``), else a created one reading zero."""
-        if self._idle and (overwrite or not self._free):
-            page_id, (page, _) = self._idle.popitem(last=False)
-            if overwrite:
-                return page
-            self._release(page)  # its bytes are another owner's: a fresh page instead
-        else:
-            page_id = self._free.pop()
+        """A free page: an idle one as it is (``overwrite``), else a created one reading zero.
+        ``NoMemory`` when releasing idle pages for it retired the last free ones."""
+        while True:
+            if self._idle and (overwrite or not self._free):
+                page_id, (page, _) = self._idle.popitem(last=False)
+                if overwrite:
+                    return page
+                if not self._release(page):  # its bytes are another owner's: a fresh page instead
+                    continue
+            elif self._free:
+                page_id = self._free.pop()
+            else:
+                raise NoMemory("the last free pages could not be released; none is left")
+            break
         try:
             return self.backend.create_page(page_id)
         except BackendError:
@@ -118,23 +134,30 @@ class DevicePages:
             if keep_until is not None and len(self._idle) < self.max_idle:
                 self._idle[page_id] = (page, keep_until)
                 continue
-            self._release(page)
-            self._free.append(page_id)
+            self._put_back(page)
 
     def trim(self, now: float) -> int:
         """Release the idle pages kept until ``now`` or earlier; return how many."""
         expired = [page_id for page_id, (_, until) in self._idle.items() if until <= now]
         for page_id in expired:
             page, _ = self._idle.pop(page_id)
-            self._release(page)
-            self._free.append(page_id)
+            self._put_back(page)
         return len(expired)
 
-    def _release(self, page: PhysicalPage) -> None:
+    def _put_back(self, page: PhysicalPage) -> None:
+        """Release ``page`` onto the free stack, or retire it when the release failed."""
+        if self._release(page):
+            self._free.append(page.page_id)
+
+    def _release(self, page: PhysicalPage) -> bool:
+        """Give ``page``'s memory back; on failure retire it (logged) and return False."""
         try:
             self.backend.release_page(page)
-        except BackendError as exc:  # the page stays usable; only its memory was not given back
-            log.error("releasing page %d failed: %s", page.page_id, exc)
+        except BackendError as exc:
+            self._retired.add(page.page_id)
+            log.error("releasing page %d failed, so it is never granted again: %s", page.page_id, exc)
+            return False
+        return True
 
     def page(self, page_id: int) -> PhysicalPage:
         return self._pages[page_id]
@@ -147,6 +170,7 @@ class DevicePages:
         free = set(self._free) | self._idle.keys()
         assert len(free) == len(self._free) + len(self._idle), "a page is free twice"
         assert not free & self._owners.keys(), "a page is both free and owned"
-        assert len(free) + len(self._owners) == self.num_pages, "a page is lost"
+        assert not self._retired & (free | self._owners.keys()), "a retired page is free or owned"
+        assert len(free) + len(self._owners) + len(self._retired) == self.num_pages, "a page is lost"
         assert self._owners.keys() == self._pages.keys(), "owner and page tables disagree"
         assert len(set(self._owners.values())) == len(self._owners), "two pages, one owner slot"

@@ -88,6 +88,8 @@ class _StatusCollector:
                      status["free_bytes"])  # fmt: skip
         yield _gauge("kvdaemon_quarantined_bytes", "Bytes of departed tenants held until their processes "
                      "unmap them.", status.get("quarantined_bytes", 0))  # fmt: skip
+        yield _gauge("kvdaemon_retired_bytes", "Bytes of pages whose release failed, never granted again.",
+                     status.get("retired_bytes", 0))  # fmt: skip
         yield _gauge("kvdaemon_parked_grows", "Grows waiting now for pages other tenants give back.",
                      status.get("counters", {}).get("parked_grows", 0))  # fmt: skip
         yield from _tenant_gauges(status["tenants"])

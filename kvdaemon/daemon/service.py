@@ -425,6 +425,7 @@ class Service:
             "capacity_bytes": self.pages.capacity_bytes,
             "free_bytes": self.pages.free_bytes,
             "quarantined_bytes": self.quarantine.held_bytes,
+            "retired_bytes": self.pages.num_retired * self.pages.page_size_bytes,
             "host_bytes": sum(int(t["host_bytes"]) for t in tenants),
             "counters": {**self.reclaimer.stats(), **self.sleeper.stats(), "never_attached": self.num_never_attached},
             "tenants": tenants,
@@ -449,7 +450,8 @@ class Service:
                 for seg, page in enumerate(pages):
                     assert self.pages.owner(page.page_id) == Owner(tenant.tenant_id, seg, lp)
             mapped += tenant.mapped_bytes
-        assert mapped + self.pages.free_bytes == self.pages.capacity_bytes, "bytes lost"
+        retired = self.pages.num_retired * self.pages.page_size_bytes
+        assert mapped + self.pages.free_bytes + retired == self.pages.capacity_bytes, "bytes lost"
 
 
 def _same_token(given: str, expected: str) -> bool:

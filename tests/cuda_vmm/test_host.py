@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -159,6 +160,23 @@ def test_the_pool_file_cannot_be_resized(host: HostBackend) -> None:
         os.ftruncate(host.pool_fd, 0)
     with pytest.raises(OSError):
         os.ftruncate(host.pool_fd, (host.num_pages + 1) * PAGE_BYTES)
+
+
+F_SEAL_FUTURE_WRITE = 0x10  # linux/fcntl.h (not in Python's fcntl)
+
+
+@pytest.mark.parametrize("seal", [fcntl.F_SEAL_WRITE, F_SEAL_FUTURE_WRITE, fcntl.F_SEAL_SEAL])
+def test_no_holder_of_the_pool_file_can_seal_it_further(host: HostBackend, seal: int) -> None:
+    """A tenant holds the pool file (an exported fd): a write seal would make every later
+    release (hole punch) fail, so the daemon seals the seals."""
+    page = host.create_page(0)
+    exported = host.export_pages([page])[0][0]
+    try:
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(exported, fcntl.F_ADD_SEALS, seal)
+    finally:
+        os.close(exported)
+    host.release_page(page)  # still works
 
 
 def written_pages(host: HostBackend, page_ids: list[int], seed: int) -> tuple[list, torch.Tensor]:
