@@ -19,6 +19,10 @@ Hostile peers (same uid: anything else is refused at accept) are bounded:
   ``RLIMIT_NOFILE`` with headroom for ZeroMQ and the backend. Over it, the lease
   holding the most unread fds is revoked (told, closed, its pages freed); while
   the rest alone is over it, no new connection is accepted.
+- unread notices and replies: a connection whose queued frames pass
+  ``MAX_QUEUED_BYTES`` (a peer that stopped reading while the daemon kept
+  telling it things: hours of reclaim asks, or a flood of its own limit
+  changes) is revoked the same way, so no peer grows the daemon's memory.
 - silent connections: at most ``MAX_UNATTACHED`` wait to attach, and at most
   ``MAX_UNATTACHED_PER_PID`` per peer pid. A new one that finds them full
   evicts the oldest of the pid holding the most, so connections that never
@@ -64,6 +68,7 @@ MAX_UNATTACHED = 256
 MAX_UNATTACHED_PER_PID = 16
 MAX_ACCEPTS_PER_ROUND = 64
 LISTEN_BACKLOG = 512
+MAX_QUEUED_BYTES = 4 << 20  # a connection's unsent frames; past it its lease is revoked
 FD_RESERVE_MIN = 256  # fds kept for ZeroMQ's connections, the backend, logs, metrics
 POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # plain ints: flag enums cost on every event
 READABLE = POLLIN | int(zmq.POLLERR)
@@ -282,6 +287,7 @@ class LeaseTable:
         if conn.closing is None and conn.sock.fileno() in self.conns:
             conn.outbox.push_reply(payload)
             self.flush(conn)
+            self._bound_bytes(conn)
 
     # -- sending -----------------------------------------------------------------
 
@@ -318,6 +324,13 @@ class LeaseTable:
                 hog, f"{hog.outbox.num_unread_fds} page fds unread, over the daemon's "
                 f"budget of {self.fd_budget}",
             )
+
+    def _bound_bytes(self, conn: Conn) -> None:
+        """Revoke ``conn`` (its lease, or its grant channel and so its lease) once its unsent
+        frames pass ``MAX_QUEUED_BYTES``: its peer has stopped reading."""
+        queued = conn.outbox.num_queued_bytes
+        if queued > MAX_QUEUED_BYTES and conn.closing is None:
+            self._revoke(conn, f"{queued} bytes of frames unread, over the daemon's bound of {MAX_QUEUED_BYTES}")
 
     def _revoke(self, conn: Conn, why: str) -> None:
         """Tell the peer its lease is revoked and close the connection after this loop round."""
@@ -409,6 +422,7 @@ class LeaseTable:
         if conn is not None and conn.closing is None:
             conn.outbox.push(body)
             self.flush(conn)
+            self._bound_bytes(conn)
 
     def drop_lease(self, tenant_id: int) -> None:
         """Close a tenant's connections without ending its lease (it unregistered)."""

@@ -139,6 +139,8 @@ class Outbox:
     was last seen to have read every frame: an upper bound on the fds this
     peer holds up (queued fds are open in this process; sent, unread ones
     count against the sending user's in-flight limit, ``RLIMIT_NOFILE``).
+    ``num_queued_bytes`` is the bytes of the frames queued here (the memory a
+    peer that does not read holds up in this process).
     """
 
     def __init__(self, sock: socket.socket) -> None:
@@ -147,6 +149,7 @@ class Outbox:
         self._last_grant: dict[str, Any] | None = None
         self.num_queued_fds = 0
         self.num_sent_fds = 0
+        self.num_queued_bytes = 0
 
     @property
     def num_unread_fds(self) -> int:
@@ -154,17 +157,24 @@ class Outbox:
 
     def push(self, body: dict[str, Any]) -> None:
         """Queue one frame without fds."""
-        self._frames.append((encode(body), []))
+        self._queue(encode(body), [])
+
+    def _queue(self, data: bytes, fds: list[int]) -> None:
+        self._frames.append((data, fds))
+        self.num_queued_bytes += len(data)
+        self.num_queued_fds += len(fds)
 
     def push_reply(self, data: bytes) -> None:
         """Queue an encoded reply; if the last queued frame is a grant frame not sent yet,
         the reply travels with it (``"frame"``: the grant frame's body, with its fds), so
         the peer is woken once."""
         if self._frames and self._frames[-1][1] and self._last_grant is not None:
-            _, fds = self._frames.pop()
-            self._frames.append((encode({**decode(data), "frame": self._last_grant}), fds))
+            grant, fds = self._frames.pop()
+            self.num_queued_bytes -= len(grant)
+            self.num_queued_fds -= len(fds)
+            self._queue(encode({**decode(data), "frame": self._last_grant}), fds)
         else:
-            self._frames.append((data, []))
+            self._queue(data, [])
         self._last_grant = None
 
     def push_grant(
@@ -172,9 +182,8 @@ class Outbox:
     ) -> None:
         """Queue one frame of a grant: pages, their fds, and which fd carries each page."""
         body = {"grant_id": grant_id, "page_ids": page_ids, "fd_index": fd_index}
-        self._frames.append((encode(body), fds))
+        self._queue(encode(body), fds)
         self._last_grant = body  # merged into a reply that follows it (``push_reply``)
-        self.num_queued_fds += len(fds)
 
     def pending(self) -> bool:
         return bool(self._frames)
@@ -197,6 +206,7 @@ class Outbox:
                 return False
             self._frames.popleft()
             close_fds(fds)
+            self.num_queued_bytes -= len(data)
             self.num_queued_fds -= len(fds)
             self.num_sent_fds += len(fds)
         return True
@@ -205,7 +215,7 @@ class Outbox:
         """Drop every queued frame and close its fds (the connection is closing)."""
         while self._frames:
             close_fds(self._frames.popleft()[1])
-        self.num_queued_fds = self.num_sent_fds = 0
+        self.num_queued_fds = self.num_sent_fds = self.num_queued_bytes = 0
 
 
 def _unread_bytes(sock: socket.socket) -> int:

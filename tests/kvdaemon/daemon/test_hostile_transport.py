@@ -224,6 +224,36 @@ def test_a_lease_that_never_reads_its_grants_is_revoked_within_the_fd_budget(
         assert_serves(fresh)
 
 
+def test_a_lease_that_never_reads_its_notices_is_revoked_past_the_byte_bound(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its own limit changes, each told on its handle channel, never read: the daemon's queue
+    for it stays bounded; the lease is revoked, its pages freed, the daemon serves on."""
+    bound = 64 << 10
+    monkeypatch.setattr(lease_table, "MAX_QUEUED_BYTES", bound)
+    with closing(kvd.client()) as client:
+        sock, token = register_raw(client, "deaf")
+        client.call("grow", {"tenant": "deaf", "token": token, "logical_pages": [0]})
+        revoked = False
+        with closing(sock):
+            for i in range(200_000):
+                args = {"name": "deaf", "token": token, "max_bytes": (i % 2 + 1) << 22}
+                try:
+                    client.call("set_limit", args)
+                except UnknownTenant:
+                    revoked = True
+                    break
+                conns = list(kvd.daemon.leases.leases.values())
+                assert all(conn.outbox.num_queued_bytes <= bound + 1024 for conn in conns)
+            assert revoked, "the lease was never revoked"
+            bodies = read_until_eof(sock)
+        # its socket buffer was full, so the revoked notice may not have fit: the EOF says it
+        assert {body.get("notice") for body in bodies} <= {"limit", "revoked", None}  # None: the grant
+        assert_freed(client, "deaf", num_held_bytes=2 * kvd.daemon.service.pages.page_size_bytes)
+        kvd.check_invariants()
+        assert_serves(client)
+
+
 def test_the_fd_budget_keeps_headroom_under_the_soft_limit(kvd: RunningDaemon) -> None:
     import resource
 
