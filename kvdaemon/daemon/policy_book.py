@@ -11,6 +11,11 @@ whatever the file says, and ``limit NAME --reset`` forgets what ``limit`` set
 for NAME, so the config file's values apply again. A name may have a policy
 long before (or long after) a tenant of that name is registered.
 
+At most ``MAX_POLICIES`` names have a policy set with ``limit`` (as many as
+tenants may be registered at once), so the file stays far within what the
+next daemon reads (``MAX_FILE_BYTES``) and ``status`` within one message; a
+new name past that is refused (``Conflict``) until one is reset.
+
 Only the service loop uses a book; nothing here locks. O(1) per lookup; a
 change costs one file write (``store``).
 """
@@ -23,8 +28,11 @@ from typing import Any
 
 from kvdaemon.daemon.policies import EMPTY, FIELDS, REMOVED, Policy
 from kvdaemon.daemon.policy_file import read_policies, write_policies
+from kvdaemon.daemon.tenant import MAX_TENANTS
+from kvdaemon.errors import Conflict
 
 CONFIG, LIMIT = "config", "limit"
+MAX_POLICIES = MAX_TENANTS  # names with a policy set by ``limit``
 
 
 class PolicyBook:
@@ -64,7 +72,8 @@ class PolicyBook:
 
     def store(self, name: str, layer: Policy) -> None:
         """Make ``layer`` what ``limit`` set for ``name`` (an empty one forgets it), on disk
-        first: ``KVDaemonError`` when the file cannot be written, and then nothing changed.
+        first: ``KVDaemonError`` when the file cannot be written, and then nothing changed;
+        ``Conflict`` for a new name once ``MAX_POLICIES`` names have one.
 
         A ``none`` where the config file sets nothing is nothing, and is not kept.
         """
@@ -77,6 +86,11 @@ class PolicyBook:
         kept = dict(self._set)
         if layer.is_empty:
             kept.pop(name, None)
+        elif name not in kept and len(kept) >= MAX_POLICIES:
+            raise Conflict(
+                f"the daemon keeps policies for at most {MAX_POLICIES} names; forget one first "
+                "(kvdaemon limit NAME --reset)"
+            )
         else:
             kept[name] = layer
         if kept == self._set:

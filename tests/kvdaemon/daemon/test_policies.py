@@ -14,10 +14,10 @@ from kvdaemon.daemon.policies import (
     REMOVED, Clamp, Limits, OwnLimits, Policy, bound, check_consistent, parse_policy,
     request_policy,
 )  # fmt: skip
-from kvdaemon.daemon.policy_book import PolicyBook
+from kvdaemon.daemon.policy_book import MAX_POLICIES, PolicyBook
 from kvdaemon.daemon import policy_file
 from kvdaemon.daemon.policy_file import read_policies, write_policies
-from kvdaemon.errors import BadRequest, ConfigError, KVDaemonError
+from kvdaemon.errors import BadRequest, ConfigError, Conflict, KVDaemonError
 from kvdaemon.wire.sizes import parse_size
 
 MiB = 1024 * 1024
@@ -145,6 +145,28 @@ def test_the_book_keeps_what_limit_set_in_its_file(tmp_path: Path) -> None:
     assert again.names() == ["a", "b"]
     book.store("a", policy(max="none"))
     assert book.layer("a") == policy() and book.effective("a") == policy(weight=2)
+
+
+def test_the_book_refuses_a_new_name_past_its_cap_and_keeps_the_rest() -> None:
+    book = PolicyBook({"configured": policy(weight=2)})
+    for i in range(MAX_POLICIES):
+        book.store(f"t{i}", policy(max="40%"))
+    with pytest.raises(Conflict, match=f"at most {MAX_POLICIES} names"):
+        book.store("one-more", policy(max="40%"))
+    assert book.layer("one-more") == policy() and len(book.names()) == MAX_POLICIES + 1
+    book.store("t0", policy(weight=3))  # a name it has may change
+    book.store("t1", policy())  # ... or be forgotten, which makes room
+    book.store("one-more", policy(max="40%"))
+    assert book.layer("one-more") == policy(max="40%") and book.layer("t0") == policy(weight=3)
+
+
+def test_a_full_book_of_the_longest_names_fits_the_file_the_next_daemon_reads(tmp_path: Path) -> None:
+    path = tmp_path / "policies.json"
+    widest = policy(max=(1 << 62) - 1, min="99.99999999%", weight=0.30000000000000004)
+    names = [f"{i:04d}" + "x" * 124 for i in range(MAX_POLICIES)]
+    write_policies(path, dict.fromkeys(names, widest))
+    assert path.stat().st_size < policy_file.MAX_FILE_BYTES // 2
+    assert read_policies(path) == dict.fromkeys(names, widest)
 
 
 # -- the file -----------------------------------------------------------------------------------
