@@ -28,6 +28,7 @@ policy's max, is clamped and the reply says so (``clamped``). The sum of all
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,30 @@ def commit_limit(plan: LimitPlan) -> None:
             plan.limits.max_bytes, plan.limits.min_bytes, plan.limits.weight,
         )  # fmt: skip
         tenant.limit_revision = plan.revision
+
+
+BY_OWNER = "by the tenant itself"
+OWN_LOG_INTERVAL_S = 10.0  # a tenant's own limit changes: at most one log line per interval
+
+
+def _log_due(tenant: Tenant, by_owner: bool) -> bool:
+    """Whether this change is logged: an admin's always; a tenant's own at most once per
+    ``OWN_LOG_INTERVAL_S`` (a tenant changing its limits in a loop cannot flood the log),
+    the ones in between counted on the tenant and told with its next line."""
+    if not by_owner:
+        return True
+    now = time.monotonic()
+    if now - tenant.own_limit_logged_at < OWN_LOG_INTERVAL_S:
+        tenant.num_own_limits_unlogged += 1
+        return False
+    tenant.own_limit_logged_at = now
+    return True
+
+
+def _unlogged(tenant: Tenant) -> str:
+    """`` (N more own changes before it, not logged)``, and resets the count."""
+    count, tenant.num_own_limits_unlogged = tenant.num_own_limits_unlogged, 0
+    return f" ({count} more of its own changes before this one, not logged)" if count else ""
 
 
 class Limiter:
@@ -160,7 +185,7 @@ class Limiter:
         bounded = bound(own, self.policies.effective(tenant.name), self.capacity_bytes)
         plan = self._plan(tenant, bounded, args.opt_int("revision", 1, MAX_INT))
         tenant.own = own
-        return self._commit(plan, bounded, "by the tenant itself")
+        return self._commit(plan, bounded, BY_OWNER)
 
     def _plan(self, tenant: Tenant, bounded: Bounded, revision: int | None) -> LimitPlan:
         others = self.tenants.guaranteed_bytes(other_than=tenant)
@@ -173,9 +198,10 @@ class Limiter:
         if plan.changed:
             notify(self.leases, tenant.tenant_id, LimitNotice(**tenant.limits()))
             self.grants.ask_back_excess(tenant)
-            log.info("limits of %s set %s: %s (was %s; revision %d)%s%s", tenant.name, by,
-                     describe_limits(plan.limits), describe_limits(before), plan.revision,
-                     _clamps(bounded), _owing(tenant))  # fmt: skip
+            if _log_due(tenant, by_owner=by == BY_OWNER):
+                log.info("limits of %s set %s: %s (was %s; revision %d)%s%s%s", tenant.name, by,
+                         describe_limits(plan.limits), describe_limits(before), plan.revision,
+                         _clamps(bounded), _owing(tenant), _unlogged(tenant))  # fmt: skip
         report = self._report(tenant.name, bounded, registered=True)
         return {"result": "applied", "registered": True, "revision": plan.revision,
                 "changed": plan.changed, **report}  # fmt: skip

@@ -152,6 +152,8 @@ class Tenant:
     num_shrunk_pages: int = 0  # logical pages given back by shrinks, ever
     last_refusal: str = ""  # why the last grow was refused, in words
     own: OwnLimits | None = None  # what it asked for itself; default: the limits it has
+    own_limit_logged_at: float = float("-inf")  # its last own limit change logged (monotonic)
+    num_own_limits_unlogged: int = 0  # its own changes since then, told with the next line
 
     def __post_init__(self) -> None:
         self.last_active = self.heard_at = self.registered_at

@@ -4,12 +4,14 @@ clamped limits, a tenant's own request bounded by the policy, and a policy kept 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvdaemon.daemon import limits
 from kvdaemon.daemon.policies import parse_policy
 from kvdaemon.daemon.policy_book import PolicyBook
 from kvdaemon.daemon.policy_file import policy_path
@@ -169,6 +171,24 @@ def test_a_tenant_changes_its_own_request_with_its_token_within_the_policy(h: Ha
     assert h.error("set_limit", name="a", token=reg["token"], max="1MiB") == "BAD_REQUEST"
     assert h.error("set_limit", name="a", token="0" * 32, max_bytes=1) == "FORBIDDEN"
     assert h.error("set_limit", name="zz", token="0" * 32, max_bytes=1) == "UNKNOWN_TENANT"
+
+
+def test_a_tenant_changing_its_own_limits_in_a_loop_logs_a_line_per_interval(
+    h: Harness, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvdaemon.limits")
+    token = h.register("a")["token"]
+    for i in range(100):
+        h.ok("set_limit", name="a", token=token, max_bytes=(i % 2 + 1) * MiB)
+    own_lines = [r.getMessage() for r in caplog.records if "by the tenant itself" in r.getMessage()]
+    assert len(own_lines) == 1, own_lines
+    h.ok("set_limit", name="a", max="50%")  # an admin's change is always logged, with the count
+    admin_lines = [r.getMessage() for r in caplog.records if "by an admin" in r.getMessage()]
+    assert len(admin_lines) == 1 and "(99 more of its own changes before this one" in admin_lines[0]
+    monkeypatch.setattr(limits, "OWN_LOG_INTERVAL_S", 0.0)
+    h.ok("set_limit", name="a", token=token, max_bytes=3 * MiB)
+    last = caplog.records[-1].getMessage()
+    assert "by the tenant itself" in last and "more of its own" not in last
 
 
 def test_a_policy_set_with_limit_is_kept_for_the_next_daemon(tmp_path: Path) -> None:
