@@ -224,7 +224,13 @@ class LeaseTable:
             body, fds = recv_frame(conn.sock, REQUEST_LIMITS, self._closer.close_fds)
         except BlockingIOError:
             return
-        except (ConnectionError, OSError, KVDaemonError) as exc:
+        except KVDaemonError as exc:  # undecodable, truncated, too many fds
+            if conn.tenant_id is None or conn.grants:  # a peer waiting for a reply is told why
+                conn.outbox.push({"ok": False, "error": {"code": exc.code, "message": exc.message}})
+                self.flush(conn)
+            self.close(conn, f"handle channel closed: {exc}")
+            return
+        except (ConnectionError, OSError) as exc:
             self.close(conn, f"handle channel closed: {exc}")
             return
         self._closer.close_fds(fds)  # clients never send fds

@@ -161,12 +161,12 @@ def drain_grant(sock: socket.socket, num_pages: int) -> None:
 
 # -- handle channel --------------------------------------------------------------------
 
-GARBAGE: list[tuple[str, bytes, str | None]] = [
-    ("random bytes", random.Random(7).randbytes(200), None),
-    ("undecodable byte", b"\xc1", None),
-    ("msgpack array", encode([1, 2, 3]), None),
-    ("string over the length bound", msgpack.packb({"tenant": "a" * 5000, "token": "x"}), None),
-    ("frame over 64 KiB, truncated", b"\x00" * (100 * 1024), None),
+GARBAGE: list[tuple[str, bytes, str | None]] = [  # each told why, then closed
+    ("random bytes", random.Random(7).randbytes(200), "BAD_REQUEST"),
+    ("undecodable byte", b"\xc1", "BAD_REQUEST"),
+    ("msgpack array", encode([1, 2, 3]), "BAD_REQUEST"),
+    ("string over the length bound", msgpack.packb({"tenant": "a" * 5000, "token": "x"}), "BAD_REQUEST"),
+    ("frame over 64 KiB, truncated", b"\x00" * (100 * 1024), "BAD_REQUEST"),
     ("attach with wrong types", encode({"tenant": 5, "token": ["x"]}), "BAD_REQUEST"),
     ("attach without fields", encode({}), "BAD_REQUEST"),
 ]
@@ -248,9 +248,9 @@ def send_with_pipe(sock: socket.socket, payload: bytes, copies: int = 1) -> int:
 
 
 FD_CASES: list[tuple[str, Callable[[str], bytes], int, str | None]] = [
-    ("garbage body", lambda _token: b"\xc1garbage", 1, None),
+    ("garbage body", lambda _token: b"\xc1garbage", 1, "BAD_REQUEST"),
     ("wrong token", lambda _token: attach_frame("a", "0" * 32), 1, "FORBIDDEN"),
-    ("more fds than a frame may carry", lambda token: attach_frame("a", token), 250, None),
+    ("more fds than a frame may carry", lambda token: attach_frame("a", token), 250, "BAD_REQUEST"),
 ]
 
 
