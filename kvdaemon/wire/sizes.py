@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from kvdaemon.errors import ConfigError
+from kvdaemon.wire.protocol import MAX_INT
 
 _UNIT_BYTES: dict[str, int] = {
     "b": 1,
@@ -91,14 +92,15 @@ def parse_size(text: str | int) -> SizeSpec:
     Units are case-insensitive: ``B``, binary ``KiB MiB GiB TiB`` (powers of
     1024), decimal ``KB MB GB TB`` (powers of 1000) and ``%``. A fractional
     number is allowed with a unit when the result is a whole number of bytes
-    (``1.5GiB``), and with ``%``.
+    (``1.5GiB``), and with ``%``. A byte count is at most ``MAX_INT`` (2^63 - 1,
+    what the wire carries).
     """
     if isinstance(text, bool):
         raise ConfigError(f"invalid size {text!r}: expected {_ACCEPTED}")
     if isinstance(text, int):
         if text < 0:
             raise ConfigError(f"invalid size {text!r}: must not be negative")
-        return bytes_of(text)
+        return _checked(text, text)
     if not isinstance(text, str):
         raise ConfigError(f"invalid size {text!r}: expected {_ACCEPTED}")
     match = _SIZE_RE.match(text)
@@ -123,7 +125,13 @@ def _spec_of(text: str, number: str, unit: str) -> SizeSpec:
     exact = value * _UNIT_BYTES[unit]
     if exact != exact.to_integral_value():
         raise ConfigError(f"invalid size {text!r}: not a whole number of bytes")
-    return bytes_of(int(exact))
+    return _checked(text, int(exact))
+
+
+def _checked(text: str | int, num_bytes: int) -> SizeSpec:
+    if num_bytes > MAX_INT:
+        raise ConfigError(f"invalid size {text!r}: at most {MAX_INT} bytes (8 EiB)")
+    return bytes_of(num_bytes)
 
 
 def format_bytes(num_bytes: int) -> str:

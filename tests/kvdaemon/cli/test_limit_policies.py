@@ -116,3 +116,12 @@ def test_sleep_cold_of_a_warm_sleeper_drops_its_host_copy(cli: Cli) -> None:
     finally:
         pool.close()
         client.close()
+
+
+def test_a_limit_past_what_the_wire_carries_is_a_usage_error_and_keeps_nothing(cli: Cli) -> None:
+    assert cli.start(*HOST_FLAGS).returncode == 0
+    done = cli.run("limit", "pp", "--max", "99999999999999999999999")
+    assert done.returncode == 2 and "at most 9223372036854775807 bytes" in done.stderr, done
+    assert json_of(cli.run("status", "--json"))["policies"] == []
+    assert cli.run("limit", "pp", "--max", "9223372036854775807").returncode == 0  # the largest: clamped
+    assert [p["name"] for p in json_of(cli.run("status", "--json"))["policies"]] == ["pp"]

@@ -7,6 +7,7 @@ from decimal import Decimal
 import pytest
 
 from kvdaemon.errors import ConfigError
+from kvdaemon.wire.protocol import MAX_INT
 from kvdaemon.wire.sizes import SizeSpec, bytes_of, format_bytes, parse_size, percent_of
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
@@ -68,6 +69,13 @@ def test_bad_text_raises_config_error_naming_it(text: str) -> None:
         parse_size(text)
     assert caught.value.code == "CONFIG"
     assert repr(text) in caught.value.message
+
+
+@pytest.mark.parametrize("value", ["99999999999999999999999", "9223372036854775808", "9300000TB", 1 << 63])
+def test_a_byte_count_past_what_the_wire_carries_is_refused(value: str | int) -> None:
+    with pytest.raises(ConfigError, match=r"at most 9223372036854775807 bytes"):
+        parse_size(value)
+    assert parse_size(MAX_INT).exact_bytes == parse_size(str(MAX_INT)).exact_bytes == MAX_INT
 
 
 @pytest.mark.parametrize("value", [-1, True, 1.5, None, [1]])
