@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from kvdaemon.client.prefix_cache import ROOT, ChainLink, PrefixCache, token_array
-from kvdaemon.errors import BadRequest, PoolExhausted
+from kvdaemon.errors import BadRequest, DaemonUnreachable, PoolExhausted
 
 _T = TypeVar("_T")
 
@@ -213,7 +213,7 @@ class BlockManager:
         num_fresh = self._blocks_for(len(tokens)) - len(hits)
         try:
             fresh = self._allocate(num_fresh + max(0, headroom_blocks))
-        except PoolExhausted:
+        except Exception:  # whatever the source raised (exhausted, unreachable, asleep): no hit kept
             for block_id in reversed(hits):
                 self.cache.release(block_id)
             raise
@@ -320,7 +320,9 @@ class BlockManager:
         return short if 0 < short <= self.cache.num_evictable else 0
 
     def _allocate(self, n: int) -> list[int]:
-        """``n`` blocks from the source, evicting cached blocks if short; all-or-nothing."""
+        """``n`` blocks from the source, evicting cached blocks if short; all-or-nothing.
+        A source that cannot reach its daemon to grow (``DaemonUnreachable``) is short too:
+        the blocks it has mapped, cached ones evicted, still serve."""
         if n <= 0:
             return []
         short = self._scarce_shortfall(n)
@@ -329,7 +331,7 @@ class BlockManager:
         else:
             try:
                 return self.source.alloc(n)
-            except PoolExhausted:
+            except (PoolExhausted, DaemonUnreachable):
                 if self.cache.num_evictable == 0:
                     raise
             direct = max(0, n - self.cache.num_evictable)
@@ -338,7 +340,7 @@ class BlockManager:
         self.source.free(self.cache.evict(rest))
         try:
             return held + self.source.alloc(rest)
-        except PoolExhausted:
+        except Exception:  # all or nothing, whatever the source raised
             if held:
                 self.source.free(held)
             raise

@@ -26,6 +26,7 @@ from kvdaemon.heap import freeze_heap
 from kvdaemon.integrations.hf import Engine, kv_spec_for
 
 MiB = 1 << 20
+IDLE_STEP_S = 0.005  # between steps that ran nothing, so waiting costs no CPU
 
 
 def build_model(arch: str, seed: int) -> transformers.PreTrainedModel:
@@ -51,6 +52,8 @@ def serve_round(engine: Engine, pool: KVPool, rng: random.Random, num_requests: 
     ]
     while engine.has_unfinished:
         engine.step()
+        if not engine.last_num_scheduled_tokens:  # nothing could run (no memory, or no daemon): wait
+            time.sleep(IDLE_STEP_S)
     elapsed = time.perf_counter() - started
     ttfts = [r.ttft_s for r in requests if r.ttft_s is not None]
     tokens = sum(r.num_output_tokens for r in requests)

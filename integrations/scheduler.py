@@ -20,9 +20,12 @@ pool cannot give them (``PoolExhausted``) for a running request, the youngest
 running request is preempted (its blocks freed; its full blocks stay in the
 prefix cache) and goes back to the head of the queue to be recomputed; if the
 request that needs blocks is itself the youngest, it is the one preempted. A
-waiting request that does not fit waits. When the pool cannot answer at all
-(``Asleep``, ``DaemonUnreachable``) the step runs with what it has so far and
-the rest waits. Nothing is ever lost or raised.
+waiting request that does not fit waits. A pool that cannot reach its daemon
+(``DaemonUnreachable``: it is down or restarting) is short the same way: the
+engine keeps stepping what its mapped blocks hold (its cached blocks evicted
+first, then the youngest preempted). When the pool is asleep (``Asleep``) the
+step runs with what it has so far and the rest waits. Nothing is ever lost or
+raised.
 
 Invariants: a request is in exactly one of ``waiting``, ``running``, or
 finished (in neither); a running request is a sequence of the ``BlockManager``
@@ -44,8 +47,10 @@ from kvdaemon.errors import Asleep, BadRequest, DaemonUnreachable, PoolExhausted
 from kvdaemon.integrations.request import Request
 
 
+SHORT = (PoolExhausted, DaemonUnreachable)
+"""Errors after which a running request's blocks come from preempting the youngest."""
 TRANSIENT = (Asleep, DaemonUnreachable)
-"""Errors after which a step stops taking blocks (and tries again next step)."""
+"""Errors after which admission stops taking blocks (and tries again next step)."""
 
 
 @dataclass
@@ -105,13 +110,13 @@ class Scheduler:
             start = request.num_computed
             try:
                 self.manager.append_tokens(request.request_id, request.token_ids[start:start + num_new])
-            except PoolExhausted:
+            except SHORT:
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is request:
                     break
                 continue
-            except TRANSIENT:
+            except Asleep:
                 return 0
             batch.items.append((request, num_new))
             budget -= num_new

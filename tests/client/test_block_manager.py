@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvdaemon.client import prefix_cache
 from kvdaemon.client.block_manager import BlockManager
-from kvdaemon.errors import BadRequest, PoolExhausted
+from kvdaemon.errors import Asleep, BadRequest, DaemonUnreachable, PoolExhausted
 
 
 class FakeSource:
@@ -240,6 +240,46 @@ def test_exhausted_source_evicts_cached_blocks_and_retries() -> None:
     assert manager.num_evictable_blocks == 0 and len(source.allocated) == 4
     assert stored_tokens(manager, source, "b") == [9] * 7
     check_invariants(manager, source, {"b": manager.block_table("b")})
+
+
+class UnreachableSource(FakeSource):
+    """A source whose daemon is down: what it has free serves; a grow past that cannot."""
+
+    def alloc(self, n: int) -> list[int]:
+        try:
+            return super().alloc(n)
+        except PoolExhausted:
+            raise DaemonUnreachable("no kvdaemon running") from None
+
+
+def test_a_source_that_cannot_reach_its_daemon_serves_from_its_evicted_cache() -> None:
+    source = UnreachableSource(num_blocks=4, block_size=2, blocks_per_page=2)
+    manager = BlockManager(source)
+    add_and_write(manager, source, "a", [1, 2, 3, 4, 5, 6])
+    manager.free_sequence("a")
+    assert add_and_write(manager, source, "b", [9] * 7) == 0  # 1 free + 3 evicted
+    assert stored_tokens(manager, source, "b") == [9] * 7
+    with pytest.raises(DaemonUnreachable):
+        manager.append_tokens("b", [9, 9])  # nothing left to evict: unchanged
+    assert manager.num_tokens("b") == 7
+    check_invariants(manager, source, {"b": manager.block_table("b")})
+
+
+@pytest.mark.parametrize("error", [Asleep, DaemonUnreachable, PoolExhausted])
+def test_a_refused_admission_keeps_none_of_its_cache_hits(error: type[Exception]) -> None:
+    source = FakeSource(num_blocks=4, block_size=2, blocks_per_page=2)
+    manager = BlockManager(source)
+    add_and_write(manager, source, "a", [1, 2, 3, 4, 5, 6])
+    manager.free_sequence("a")
+    assert manager.num_evictable_blocks == 3
+
+    def refuse(n: int) -> list[int]:
+        raise error("the source cannot give blocks now")
+
+    source.alloc = refuse  # type: ignore[method-assign]
+    with pytest.raises(error):
+        manager.add_sequence("b", [1, 2, 3, 4, 5, 6, 7])  # 3 hits, 1 fresh block wanted
+    assert manager.num_evictable_blocks == 3 and "b" not in manager, "a hit stayed pinned"
 
 
 def test_cache_hits_are_not_evicted_to_make_room_for_their_own_sequence() -> None:

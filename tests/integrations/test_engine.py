@@ -388,3 +388,31 @@ def test_an_engine_serves_through_a_daemon_restart(model: Any) -> None:
                 proc.kill()
         client.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_with_the_daemon_down_new_requests_run_in_the_evicted_cache(model: Any) -> None:
+    """The daemon is gone and the pool cannot grow: what it has mapped, its cached blocks
+    evicted, still serves requests that need more than its free blocks."""
+    root = short_dir()
+    first = start_daemon(root)
+    client = KVClient(root)
+    try:
+        pool = client.register("down", kv_spec_for(model, BLOCK), num_prefetch_pages=0)
+        engine = Engine(model, pool)
+        engine.generate(random_prompts([400] * 4, seed=3), 4)  # their full blocks stay cached
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
+        free, cached = pool.num_free_blocks, engine.manager.num_evictable_blocks
+        prompts = random_prompts([380] * (free // 96 + 1), seed=4)  # 96 + 3 blocks each
+        need = len(prompts) * (380 + NEW) // BLOCK
+        assert free < need <= free + cached - len(prompts), (free, cached, need)
+        assert engine.generate(prompts, NEW, stall_timeout_s=10) == reference_outputs(model, prompts, NEW)
+        assert pool.lease.lost.is_set()
+        engine.close()
+        pool.close()
+    finally:
+        if first.poll() is None:
+            first.kill()
+        client.close()
+        shutil.rmtree(root, ignore_errors=True)

@@ -9,7 +9,7 @@ import pytest
 from kvdaemon.client.block_manager import BlockManager
 from kvdaemon.client.local_pool import LocalPool
 from kvdaemon.client.spec import KVSpec
-from kvdaemon.errors import BadRequest
+from kvdaemon.errors import BadRequest, DaemonUnreachable, PoolExhausted
 from kvdaemon.integrations.request import Request
 from kvdaemon.integrations.scheduler import Scheduler
 
@@ -75,6 +75,33 @@ def test_out_of_blocks_preempts_the_youngest_and_requeues_it_first() -> None:
     assert [r.request_id for r in scheduler.waiting] == [2]
     assert scheduler.num_preemptions == 1 and scheduler.waiting[0].num_preemptions == 1
     check(scheduler)
+
+
+class UnreachablePool(LocalPool):
+    """A pool whose daemon is down: its free blocks serve, a grow for more cannot."""
+
+    def alloc(self, num_blocks: int) -> list[int]:
+        try:
+            return super().alloc(num_blocks)
+        except PoolExhausted:
+            raise DaemonUnreachable("no kvdaemon running") from None
+
+
+def test_with_the_daemon_down_running_requests_go_on_in_what_is_mapped() -> None:
+    pool = UnreachablePool(SPEC, 8)
+    scheduler = Scheduler(BlockManager(pool), 100, 8)
+    for i in range(3):
+        scheduler.add(request(i, 8, 20))
+    run_step(scheduler)
+    run_step(scheduler)  # as with an exhausted pool: the youngest makes room for the others
+    assert [r.request_id for r in scheduler.running] == [0, 1] and scheduler.num_preemptions == 1
+    check(scheduler)
+    for _ in range(200):
+        if not scheduler.has_work:
+            break
+        run_step(scheduler)
+        check(scheduler)
+    assert not scheduler.has_work, "every request finished without the daemon"
 
 
 def test_a_request_waits_rather_than_take_the_blocks_running_decodes_need_next() -> None:
