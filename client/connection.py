@@ -25,7 +25,7 @@ from kvdaemon.client.lease import Lease
 from kvdaemon.client.pool import KVPool
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.client.spec import KVSpec
-from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolClosed
+from kvdaemon.errors import BadRequest, Conflict, DaemonUnreachable, KVDaemonError, PoolClosed
 from kvdaemon.wire.paths import DaemonPaths, default_dir, running_pid
 from kvdaemon.wire.protocol import MAX_VIRTUAL_PAGES, PROTOCOL_VERSION
 
@@ -196,7 +196,7 @@ class KVClient:
         lease = self.lease(name, spec, num_virtual_pages=num_virtual_pages, **limits)
 
         def relink() -> Lease:
-            return self._relink(name, spec, num_virtual_pages, limits)
+            return self._relink(name, spec, num_virtual_pages, limits, lease.page_size_bytes)
 
         pool = KVPool(
             lease, spec, num_virtual_pages, num_spare_pages, num_prefetch_pages, auto_wake,
@@ -211,13 +211,22 @@ class KVClient:
         self._open_pools[id(pool)] = pool
         return pool
 
-    def _relink(self, name: str, spec: KVSpec, num_virtual_pages: int, limits: dict[str, Any]) -> Lease:
-        """Register ``name`` again with a daemon that answers now (after a restart)."""
+    def _relink(
+        self, name: str, spec: KVSpec, num_virtual_pages: int, limits: dict[str, Any], page_bytes: int,
+    ) -> Lease:
+        """Register ``name`` again with a daemon that answers now (after a restart). ``Conflict``
+        (nothing registered) when its pages are not ``page_bytes``: the pool's layout is built
+        on them, so its KV cannot move there."""
         probe = ControlChannel(self.paths, PROBE_TIMEOUT_S)
         try:
-            probe.call("hello", {"version": PROTOCOL_VERSION})
+            info = probe.call("hello", {"version": PROTOCOL_VERSION})
         finally:
             probe.close()
+        if info.get("page_size") != page_bytes:
+            raise Conflict(
+                f"the daemon now running has pages of {info.get('page_size')} bytes, this pool's are "
+                f"{page_bytes}: it cannot move there; restart the daemon with --page-size {page_bytes}"
+            )
         with self._lock:
             self.daemon_info = None
         return self.lease(name, spec, num_virtual_pages=num_virtual_pages, **limits)

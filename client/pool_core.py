@@ -100,6 +100,7 @@ class PoolCore:
         self.num_block_losses = 0  # times every block was dropped (cold sleep, empty restart)
         self.active = False  # the engine stepped since the last heartbeat (``note_activity``)
         self.relink_error: str | None = None  # why re-registering with a new daemon failed
+        self.num_refused_moves = 0  # moves to a new daemon refused in a row (``pool_reconnect``)
         self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
         self.resume_hook: Callable[[], None] | None = None  # the engine may step again
         self.reclaim_hook: Callable[[int], int] | None = None  # evicts up to N cache-only blocks

@@ -17,7 +17,13 @@ When a daemon answers on the same directory again, the agent (``try_reconnect``)
 
 A pool asleep when its daemon died wakes empty (its warm copy died with the
 daemon; counted in ``num_block_losses``). If the new daemon has too little
-room, the pool keeps its old pages and tries again on the next tick.
+room, the pool keeps its old pages and tries again on the next tick; after
+``MOVES_BEFORE_EMPTY`` such tries, or at once when the new daemon's limit for
+it is below what it maps (``OverLimit``: an operator's word, not a wait), it
+joins the new daemon *empty*: every block dropped (a block loss, which the
+engine recomputes), its old pages released. A daemon whose pages are of
+another size is never joined (the pool's layout is built on its page size):
+the pool says so once and serves from what it maps until it is closed.
 Cost: one page copy per page and segment.
 """
 
@@ -29,9 +35,10 @@ from collections.abc import Callable
 from kvdaemon.client.lease import Grant, Lease
 from kvdaemon.client.pool_core import PoolCore
 from kvdaemon.client.pool_state import PoolState
-from kvdaemon.errors import DaemonUnreachable, KVDaemonError
+from kvdaemon.errors import DaemonUnreachable, KVDaemonError, OverLimit
 
 log = logging.getLogger("kvdaemon.client.pool")
+MOVES_BEFORE_EMPTY = 10  # refused moves (one per agent tick) before the pool joins empty
 
 
 def try_reconnect(core: PoolCore, relink: Callable[[], Lease]) -> bool:
@@ -46,22 +53,38 @@ def try_reconnect(core: PoolCore, relink: Callable[[], Lease]) -> bool:
             log.warning("pool %s: re-registering failed, retrying: %s", core.name, exc)
         core.relink_error = exc.message
         return False
-    core.relink_error = None
     lease.on_notice = core.lease.on_notice  # notices from now on reach the agent (queued till the move ends)
     if core.quiesce_hook is not None:
         core.quiesce_hook()
     try:
         with core.lock:
-            _move_pages(core, lease)
-    except KVDaemonError as exc:
-        log.warning("pool %s: moving pages to the new daemon failed: %s", core.name, exc)
+            if core.num_refused_moves >= MOVES_BEFORE_EMPTY:
+                _join_empty(core, lease)
+            else:
+                _move_pages(core, lease)
+    except KVDaemonError as exc:  # the new registration ends; the next tick tries again
         lease.close()
+        core.num_refused_moves = MOVES_BEFORE_EMPTY if isinstance(exc, OverLimit) else core.num_refused_moves + 1
+        if exc.message != core.relink_error:
+            log.warning("pool %s: moving pages to the new daemon failed: %s", core.name, exc)
+        core.relink_error = exc.message
         return False
     finally:
         if core.resume_hook is not None:
             core.resume_hook()
     log.info("pool %s: re-registered with the new daemon, %d pages moved", core.name, len(core.segments.pages))
     return True
+
+
+def _join_empty(core: PoolCore, lease: Lease) -> None:
+    """Take ``lease`` (a fresh registration: nothing granted) with nothing mapped: every block
+    and the old pages dropped (lock held)."""
+    log.warning("pool %s: joins the new daemon empty, its %d logical page(s) dropped (%s): the engine "
+                "recomputes what it held", core.name, len(core.segments.pages), core.relink_error)
+    core.drop_all_pages()
+    core.backend.prune_imports()
+    core.num_block_losses += 1
+    _switch(core, lease)
 
 
 def _move_pages(core: PoolCore, lease: Lease) -> None:
@@ -82,15 +105,21 @@ def _move_pages(core: PoolCore, lease: Lease) -> None:
     finally:
         core.backend.free_range(staging)
     core.backend.prune_imports()
-    old, core.lease = core.lease, lease
-    old.abandon()
-    core.pending_return.clear()  # the new daemon never granted those
-    core.owed_pages = 0  # ... nor asked for any
-    core.set_limit(lease.limit)
     if core.state.asleep:
         log.warning("pool %s: asleep when its daemon died; it wakes empty", core.name)
         core.allocator = core.new_allocator()
         core.sleeping_allocator = None
         core.num_block_losses += 1
+    _switch(core, lease)
+
+
+def _switch(core: PoolCore, lease: Lease) -> None:
+    """Make ``lease`` the pool's, forgetting what the dead daemon was owed or owed us."""
+    old, core.lease = core.lease, lease
+    old.abandon()
+    core.pending_return.clear()  # the new daemon never granted those
+    core.owed_pages = 0  # ... nor asked for any
+    core.relink_error, core.num_refused_moves = None, 0
+    core.set_limit(lease.limit)
     if core.state is not PoolState.ACTIVE:
         core.cell.move(PoolState.ACTIVE)
