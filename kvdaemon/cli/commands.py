@@ -18,7 +18,7 @@ import click
 
 from kvdaemon.cli import detach, lifecycle, reach, tenant_commands, top_live, top_view
 from kvdaemon.cli.options import (
-    JsonAwareCommand, command_help, daemon_dir, daemon_options,
+    JsonAwareCommand, SecondsParam, command_help, daemon_dir, daemon_options,
 )  # fmt: skip
 from kvdaemon.cli.output import emit, reporting
 from kvdaemon.cli.tenant_commands import stdout_console
@@ -131,7 +131,7 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
     epilog=command_help("kvdaemon stop && echo stopped"),
 )
 @daemon_options
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.1), default=30.0,
+@click.option("--timeout", "timeout_s", type=SecondsParam(min=0.1), default=30.0,
               show_default=True, metavar="SECONDS", help="How long to wait for it to exit.")
 @reporting
 def stop(dir_flag: Path | None, config_file: Path | None, as_json: bool, timeout_s: float) -> None:
@@ -182,7 +182,7 @@ def version(dir_flag: Path | None, config_file: Path | None, as_json: bool) -> N
 )
 @daemon_options
 @click.option("--once", is_flag=True, help="Print one frame and exit (also when stdout is no TTY).")
-@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+@click.option("--interval", type=SecondsParam(min=0.1), default=1.0, show_default=True,
               metavar="SECONDS", help="Seconds between refreshes.")
 @click.option("--sort", type=click.Choice(tuple(top_view.SORTS)), default="mapped",
               show_default=True, help="Order of the tenants (keys m, u, n, i, s change it live).")

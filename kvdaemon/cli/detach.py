@@ -22,7 +22,7 @@ from kvdaemon.wire.paths import running_pid
 from kvdaemon.cli.logs import open_append
 from kvdaemon.client import KVClient
 from kvdaemon.daemon.config import DaemonConfig
-from kvdaemon.errors import ConfigError, DaemonUnreachable, LifecycleError, from_code
+from kvdaemon.errors import ConfigError, DaemonUnreachable, KVDaemonError, LifecycleError, from_code
 
 POLL_S = 0.05
 LOG_TAIL_BYTES = 4000
@@ -95,6 +95,16 @@ def _log_tail(log_file: Path, offset: int) -> str:
         return ""
 
 
+def _own_error(tail: str) -> KVDaemonError | None:
+    """The child's own ``error CODE: message`` line as the error it names (``CONFLICT``: another
+    daemon won a race to start), without the rest of the log (another daemon's lines, then)."""
+    for line in reversed(tail.splitlines()):
+        match = _ERROR_LINE.match(line)
+        if match:
+            return from_code(match["code"], match["message"])
+    return None
+
+
 def _refusal(tail: str, log_file: Path) -> ConfigError:
     """The child's own ``error CODE: message`` line (exit status 2) as the error it names."""
     for line in reversed(tail.splitlines()):
@@ -115,9 +125,9 @@ def _await_hello(
         if code == EXIT_USAGE:
             raise _refusal(_log_tail(log_file, log_offset), log_file)
         if code is not None:
-            raise LifecycleError(
-                f"kvdaemon exited with status {code} before accepting clients "
-                f"(log: {log_file}):\n{_log_tail(log_file, log_offset)}"
+            tail = _log_tail(log_file, log_offset)
+            raise _own_error(tail) or LifecycleError(
+                f"kvdaemon exited with status {code} before accepting clients (log: {log_file}):\n{tail}"
             )
         if _answers(root, child.pid):
             return child.pid

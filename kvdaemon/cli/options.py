@@ -3,6 +3,7 @@ and the command class that reports usage errors as JSON under ``--json``."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -67,6 +68,18 @@ class WeightParam(click.ParamType):
         if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
             self.fail(f"{value!r} is not in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]", param, ctx)
         return weight
+
+
+class SecondsParam(click.FloatRange):
+    """A duration in seconds of at least ``min``: a finite number (``nan`` and ``inf`` are not)."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return seconds
 
 
 class JsonAwareCommand(click.Command):

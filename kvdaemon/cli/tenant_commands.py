@@ -15,7 +15,7 @@ from rich.console import Console
 
 from kvdaemon.cli import reach, status_view
 from kvdaemon.cli.options import (
-    JsonAwareCommand, PolicySizeParam, WeightParam, command_help, daemon_dir, daemon_options,
+    JsonAwareCommand, PolicySizeParam, SecondsParam, WeightParam, command_help, daemon_dir, daemon_options,
 )  # fmt: skip
 from kvdaemon.cli.output import emit, reporting
 from kvdaemon.cli.tenant_wait import wait_for_tenants
@@ -259,9 +259,9 @@ kvdaemon wait llama-a --idle 300 && kvdaemon sleep llama-a
 """),
 )
 @click.argument("names", nargs=-1, required=True, metavar="NAME...")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=60.0,
+@click.option("--timeout", "timeout_s", type=SecondsParam(min=0), default=60.0,
               show_default=True, metavar="SECONDS", help="Give up after this long (exit 5).")
-@click.option("--idle", "idle_s", type=click.FloatRange(min=0), metavar="SECONDS",
+@click.option("--idle", "idle_s", type=SecondsParam(min=0), metavar="SECONDS",
               help="Also wait until each has gone this long without its blocks changing.")
 @click.option("--state", type=click.Choice(("active", "sleeping-warm", "sleeping-cold")),
               help="Also wait until each is in this state.")

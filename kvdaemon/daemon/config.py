@@ -144,7 +144,9 @@ def load_config(
 
     ``flags`` and the file use the keys of ``KEYS`` (``-`` or ``_`` alike); a
     ``None`` flag is unset. ``metrics-address`` and ``metrics-port`` (which
-    means ``127.0.0.1:PORT``) exclude each other. Tenant policies come from the
+    means ``127.0.0.1:PORT``) are one setting: from two sources, the one that
+    ranks higher wins (a flag over the file's); from one source, both is an
+    error. ``metrics-address off`` serves no metrics. Tenant policies come from the
     file's ``[tenants]``, or all from the flag ``tenant-policy`` (JSON objects,
     how ``to_argv`` hands them to a detached daemon) when that is given.
     Raises ``ConfigError`` for an unknown key, an unreadable file or any
@@ -161,19 +163,37 @@ def load_config(
         if source is not None:
             settings[spec.attr] = _parse_from(source, spec.parse, raw)
             sources[key] = source
-    if "metrics-address" in sources and "metrics-port" in sources:
-        raise ConfigError(
-            f"give the metrics address once: {sources['metrics-address']} and "
-            f"{sources['metrics-port']} are both set"
-        )
-    address = settings.pop("metrics_address", None)
-    if address is not None:
-        settings["metrics_host"], settings["metrics_port"] = address
+    _one_metrics_address(settings, sources)
+    if "metrics-address" in sources:
+        address = settings.pop("metrics_address")
+        settings["metrics_host"], settings["metrics_port"] = address or (values.DEFAULT_METRICS_HOST, None)
     if policy_flags:
         settings["tenants"] = _parse_from(TENANT_FLAG, values.parse_tenant_flags, policy_flags)
     elif file_tenants is not None:
         settings["tenants"] = _parse_from(f"{file}: tenants", values.parse_tenants, file_tenants)
     return DaemonConfig(**settings)
+
+
+def _one_metrics_address(settings: dict[str, Any], sources: dict[str, str]) -> None:
+    """Keep one of ``metrics-address`` and ``metrics-port``: the one from the higher-ranked
+    source (flag, then variable, then file); ``ConfigError`` when both come from one rank."""
+    if "metrics-address" not in sources or "metrics-port" not in sources:
+        return
+    address, port = (_rank(key, sources[key]) for key in ("metrics-address", "metrics-port"))
+    if address == port:
+        raise ConfigError(
+            f"give the metrics address once: {sources['metrics-address']} and "
+            f"{sources['metrics-port']} are both set"
+        )
+    loser = "metrics-port" if address < port else "metrics-address"
+    del sources[loser]
+    settings.pop(KEYS[loser].attr)
+
+
+def _rank(key: str, source: str) -> int:
+    """0 for a flag, 1 for a variable, 2 for the file (``_pick``'s order)."""
+    spec = KEYS[key]
+    return 0 if source == spec.flag else 1 if source == spec.env else 2
 
 
 def dir_from(flag: str | Path | None, env: Mapping[str, str], file: Path | None = None) -> Path:

@@ -76,9 +76,12 @@ def parse_port(raw: Any) -> int | None:
     return check_port(parse_int(raw, "metrics port"))
 
 
-def parse_metrics_address(raw: Any) -> tuple[str, int]:
-    """``HOST:PORT``, ``[IPV6]:PORT`` or a bare ``PORT`` (on 127.0.0.1)."""
+def parse_metrics_address(raw: Any) -> tuple[str, int] | None:
+    """``HOST:PORT``, ``[IPV6]:PORT`` or a bare ``PORT`` (on 127.0.0.1); ``off`` (or ``none``):
+    no metrics, ``None``."""
     text = str(raw).strip() if isinstance(raw, (str, int)) and not isinstance(raw, bool) else ""
+    if text.lower() in ("off", "none"):
+        return None
     host, sep, port = text.rpartition(":")
     if not sep:
         host = DEFAULT_METRICS_HOST
@@ -86,8 +89,8 @@ def parse_metrics_address(raw: Any) -> tuple[str, int]:
         host = host[1:-1]
     if not text or not host or not port.isdigit():
         raise ConfigError(
-            f"metrics address must be HOST:PORT (127.0.0.1:9400, 0.0.0.0:9400, [::1]:9400) "
-            f"or a port, got {raw!r}"
+            f"metrics address must be HOST:PORT (127.0.0.1:9400, 0.0.0.0:9400, [::1]:9400), "
+            f"a port, or off, got {raw!r}"
         )
     return check_host(host), check_port(int(port))  # type: ignore[return-value]
 

@@ -44,7 +44,7 @@ from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reply import PendingReply
 from kvdaemon.daemon.tenant import PendingSleep, Tenant, Tenants, TenantState
-from kvdaemon.errors import Conflict
+from kvdaemon.errors import Conflict, KVDaemonError
 from kvdaemon.wire.messages import SleepCancelledNotice, SleepNotice, WakeNotice
 from kvdaemon.wire.sizes import format_bytes
 
@@ -197,12 +197,13 @@ class Sleeper:
     def stats(self) -> dict[str, int]:
         return {"sleeps": self.num_sleeps, "victims_slept": self.num_victims_slept, "wakes": self.num_wakes}
 
-    def forget(self, tenant: Tenant) -> None:
-        """Drop what a removed tenant kept: its warm copy and any parked caller."""
+    def forget(self, tenant: Tenant, why: KVDaemonError | None = None) -> None:
+        """Drop what a removed tenant kept: its warm copy and any parked caller, told ``why``
+        (default: the tenant went away)."""
         self._drop_warm(tenant)
         pending, tenant.pending_sleep = tenant.pending_sleep, None
         if pending is not None and pending.waiter is not None:
-            pending.waiter.fail(Conflict(f"tenant {tenant.name!r} went away while going to sleep"))
+            pending.waiter.fail(why or Conflict(f"tenant {tenant.name!r} went away while going to sleep"))
 
     def _drop_warm(self, tenant: Tenant) -> None:
         if tenant.warm is not None:

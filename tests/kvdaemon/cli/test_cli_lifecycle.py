@@ -204,14 +204,28 @@ def test_second_start_is_refused(cli: Cli) -> None:
     assert cli.run("status").returncode == 0
 
 
+def test_starts_racing_leave_one_daemon_and_each_loser_one_conflict_line(cli: Cli) -> None:
+    command = [sys.executable, "-m", "kvdaemon", "start", *HOST_FLAGS, "--dir", str(cli.dir)]
+    starts = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(3)]
+    done = [(child.wait(60), *child.communicate()) for child in starts]
+    cli.pids.add(cli.daemon_pid())
+    assert sorted(code for code, _, _ in done) == [0, 3, 3], done
+    for code, _, err in done:
+        if code:
+            assert err.splitlines() == [f"error CONFLICT: a kvdaemon is already running at {cli.dir} "
+                                        f"(pid {cli.daemon_pid()})"], err
+    assert cli.run("status").returncode == 0
+
+
 def test_status_json_is_the_status_object(cli: Cli) -> None:
     cli.started_pid()
     done = cli.run("status", "--json")
     assert done.returncode == 0, done.stderr
     status = json.loads(done.stdout)
     assert set(status) == STATUS_KEYS | {
-        "dir", "host_bytes", "quarantined_bytes", "counters", "device", "pid", "version", "uptime_seconds",
-        "policies"}
+        "dir", "host_bytes", "quarantined_bytes", "retired_bytes", "counters", "device", "pid", "version",
+        "uptime_seconds", "policies"}
     assert status["dir"] == str(cli.dir)
     assert {key: status[key] for key in STATUS_KEYS} == {
         "backend": "host", "page_size": 2 * MiB, "capacity_bytes": 64 * MiB,
@@ -430,3 +444,12 @@ def test_bad_paths_are_one_line_usage_errors(cli: Cli) -> None:
             f"error CONFIG: cannot create daemon directory {target}: {reason}; "
             "choose another directory with --dir"
         ]
+
+
+@pytest.mark.parametrize("args", [
+    ("wait", "w", "--timeout", "nan"), ("wait", "w", "--idle", "nan", "--timeout", "1"),
+    ("stop", "--timeout", "inf"), ("top", "--interval", "nan"),
+])
+def test_durations_that_are_not_finite_are_usage_errors(cli: Cli, args: tuple[str, ...]) -> None:
+    done = cli.run(*args, timeout_s=20)
+    assert done.returncode == 2 and "is not a finite number of seconds" in done.stderr, done

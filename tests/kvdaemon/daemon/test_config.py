@@ -347,15 +347,22 @@ def test_bad_metrics_address_is_refused(text: str) -> None:
     assert caught.value.message.startswith("--metrics-address:")
 
 
-def test_metrics_port_is_short_for_a_loopback_address_and_excludes_it(tmp_path: Path) -> None:
+def test_metrics_port_is_short_for_a_loopback_address_and_the_higher_source_wins(tmp_path: Path) -> None:
     assert load_config({"metrics-port": "9400"}, {}, None).metrics_address == "127.0.0.1:9400"
     assert load_config({}, {}, None).metrics_address is None
     file = write_toml(tmp_path, 'metrics-address = "0.0.0.0:9400"\n')
+    assert load_config({"metrics-port": "9500"}, {}, file).metrics_address == "127.0.0.1:9500"
+    assert load_config({}, {"KVDAEMON_METRICS_PORT": "9501"}, file).metrics_address == "127.0.0.1:9501"
+    assert load_config({"metrics-address": "off"}, {}, file).metrics_address is None
+    assert load_config({"metrics-address": "none"}, {"KVDAEMON_METRICS_PORT": "9501"}, None).metrics_address is None
+    both = write_toml(tmp_path, 'metrics-address = "0.0.0.0:9400"\nmetrics-port = 9500\n')
     with pytest.raises(ConfigError) as caught:
-        load_config({"metrics-port": "9500"}, {}, file)
+        load_config({}, {}, both)
     assert caught.value.message == (
-        f"give the metrics address once: {file}: metrics-address and --metrics-port are both set"
+        f"give the metrics address once: {both}: metrics-address and {both}: metrics-port are both set"
     )
+    with pytest.raises(ConfigError, match="both set"):
+        load_config({"metrics-address": "9400", "metrics-port": "9500"}, {}, None)
 
 
 def test_log_file_becomes_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import socket
+import threading
 from contextlib import closing
 
 import pytest
 
 from kvdaemon.client import KVSpec
 from kvdaemon.client.pool_state import PoolState
-from kvdaemon.errors import DaemonUnreachable, PoolClosed
+from kvdaemon.errors import DaemonUnreachable, KVDaemonError, PoolClosed
 from kvdaemon.wire.handles import recv_frame, send_frame
 
-from tests.conftest import RunningDaemon, small_spec, wait_until
+from tests.conftest import RunningDaemon, running_daemon, small_spec, wait_until
+from tests.kvdaemon.daemon.test_hostile_transport import register_raw
 
 
 def test_a_send_failing_inside_grow_does_not_hang_the_daemon(kvd: RunningDaemon) -> None:
@@ -62,3 +64,27 @@ def test_revoked_pool_unmaps_and_refuses_alloc(kvd: RunningDaemon) -> None:
     assert status["free_bytes"] + held == status["capacity_bytes"]
     pool.close()
     client.close()
+
+
+def test_a_sleep_waiting_when_the_daemon_stops_is_told_the_daemon_stopped() -> None:
+    with running_daemon() as kvd:
+        client = kvd.client()
+        sock, _ = register_raw(client, "stuck")  # never reads its channel: never quiesces
+        outcome: dict[str, KVDaemonError] = {}
+
+        def ask_sleep() -> None:
+            try:
+                kvd.client(timeout_s=10).call("sleep", {"name": "stuck"})
+            except KVDaemonError as exc:
+                outcome["error"] = exc
+
+        asker = threading.Thread(target=ask_sleep)
+        asker.start()
+        service = kvd.daemon.service
+        assert service is not None
+        wait_until(lambda: service.tenants.named("stuck").pending_sleep is not None, 5, "no sleep pending")
+        kvd.daemon.stop()
+        asker.join(15)
+        sock.close()
+    error = outcome["error"]
+    assert isinstance(error, DaemonUnreachable) and "the daemon stopped before the tenant slept" in error.message
