@@ -139,7 +139,7 @@ class Sleeper:
         kept = ""
         if tenant.warm is not None and num_pages:
             kept = f", {format_bytes(tenant.warm.host_bytes)} kept in host memory"
-        log.info("tenant %s is %s (%s): %d page(s) (%s) freed%s", tenant.name, tenant.state.value,
+        log.info("tenant %s is %s (%s): %d physical page(s) (%s) freed%s", tenant.name, tenant.state.value,
                  pending.why, num_pages, format_bytes(num_pages * tenant.page_size_bytes),
                  kept)  # fmt: skip
         return result

@@ -5,8 +5,8 @@ by a person, a policy or a process ending, and get one line each where they
 happen, with sizes in binary units. What can happen many times a second is
 only counted on the tenant (``note_grown``, ``note_shrunk``, ``note_refused``)
 and summarised here by ``ActivityLog.tick``: per tenant, at most one INFO line
-per ``interval_s`` for its grows and shrinks (``grew 12 page(s) (+24.0 MiB),
-shrank 3 page(s) (-6.00 MiB) in the last 10 s; now 1.20 GiB mapped``) and one
+per ``interval_s`` for its grows and shrinks (``grew 12 logical page(s) (+24.0 MiB),
+shrank 3 logical page(s) (-6.00 MiB) in the last 10 s; now 1.20 GiB mapped``) and one
 WARNING line for its refused grows, with the last reason. The first news after
 a quiet interval goes out at the next tick; what a tenant did since its last
 summary is flushed when it leaves.
@@ -62,7 +62,7 @@ class ActivityLog:
         num_shrunk = tenant.num_shrunk_pages - logged.num_shrunk
         if (num_grown or num_shrunk) and (force or self._due(logged.growth_at, now)):
             page = tenant.logical_page_bytes
-            moves = [f"{verb} {count} page(s) ({sign}{format_bytes(count * page)})"
+            moves = [f"{verb} {count} logical page(s) ({sign}{format_bytes(count * page)})"
                      for verb, sign, count in (("grew", "+", num_grown), ("shrank", "-", num_shrunk))
                      if count]  # fmt: skip
             period = _period(tenant, logged.growth_at, now)
@@ -107,7 +107,7 @@ def log_removed(tenant: Tenant, num_pages: int, why: str, clean: bool) -> None:
     """The tenant left: ``why`` (an unregister, or how its lease ended) and what came back."""
     freed = format_bytes(num_pages * tenant.page_size_bytes)
     if clean:
-        log.info("tenant %s %s: %d page(s) (%s) back to the pool", tenant.name, why, num_pages, freed)
+        log.info("tenant %s %s: %d physical page(s) (%s) back to the pool", tenant.name, why, num_pages, freed)
     else:
-        log.warning("tenant %s (pid %d) removed: %s; %d page(s) (%s) back to the pool",
+        log.warning("tenant %s (pid %d) removed: %s; %d physical page(s) (%s) back to the pool",
                     tenant.name, tenant.pid, why, num_pages, freed)  # fmt: skip

@@ -80,7 +80,7 @@ def test_grows_and_shrinks_are_summarised_at_most_every_10_s(
     grow(h, "a", reg, [0, 1])
     h.tick(0.1)  # the first news goes out at the next tick
     assert lines(caplog) == [("INFO", (
-        "tenant a: grew 2 page(s) (+8.00 MiB) since it registered 0 s ago; now 8.00 MiB mapped"
+        "tenant a: grew 2 logical page(s) (+8.00 MiB) since it registered 0 s ago; now 8.00 MiB mapped"
     ))]  # fmt: skip
     grow(h, "a", reg, [2])
     h.ok("shrink", **h.auth("a", reg["token"], logical_pages=[0, 2]))
@@ -89,7 +89,7 @@ def test_grows_and_shrinks_are_summarised_at_most_every_10_s(
         assert lines(caplog) == []
     h.tick(0.1)
     assert lines(caplog) == [("INFO", (
-        "tenant a: grew 1 page(s) (+4.00 MiB), shrank 2 page(s) (-8.00 MiB) in the last 10 s; "
+        "tenant a: grew 1 logical page(s) (+4.00 MiB), shrank 2 logical page(s) (-8.00 MiB) in the last 10 s; "
         "now 4.00 MiB mapped"
     ))]  # fmt: skip
     h.tick(30.0)
@@ -135,7 +135,7 @@ def test_sleeps_and_wakes_say_who_asked(h: Harness, caplog: pytest.LogCaptureFix
     sleep_id = start_sleep(h, "a")
     h.ok("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id))
     assert lines(caplog) == [("INFO", (
-        "tenant a is sleeping-warm (asked by an admin): 2 page(s) (4.00 MiB) freed, "
+        "tenant a is sleeping-warm (asked by an admin): 2 physical page(s) (4.00 MiB) freed, "
         "4.00 MiB kept in host memory"
     ))]  # fmt: skip
     h.ok("sleep", name="a", mode="cold")
@@ -163,7 +163,7 @@ def test_the_idle_policy_and_reclaim_say_so(h: Harness, caplog: pytest.LogCaptur
     h.ok("sleep_ready", **h.auth("idle", idle["token"], sleep_id=sleep_id))
     assert [m for _, m in lines(caplog)][-2:] == [
         "tenant idle idle for 300 s: asking it to sleep (warm)",
-        "tenant idle is sleeping-warm (idle policy: idle for 300 s): 0 page(s) (0 B) freed",
+        "tenant idle is sleeping-warm (idle policy: idle for 300 s): 0 physical page(s) (0 B) freed",
     ]
     victim = h.register("victim", sleepable=True)
     grow(h, "victim", victim, [0, 1, 2, 3, 4, 5])  # 24 of the 32 MiB
@@ -175,7 +175,7 @@ def test_the_idle_policy_and_reclaim_say_so(h: Harness, caplog: pytest.LogCaptur
     h.ok("sleep_ready", **h.auth("victim", victim["token"], sleep_id=sleep_id))
     messages = [m for _, m in lines(caplog)]
     assert "reclaim: asking victim to sleep (warm) for wanting" in messages
-    assert ("tenant victim is sleeping-warm (reclaim: pages wanted by wanting): 12 page(s) "
+    assert ("tenant victim is sleeping-warm (reclaim: pages wanted by wanting): 12 physical page(s) "
             "(24.0 MiB) freed, 24.0 MiB kept in host memory") in messages  # fmt: skip
 
 
@@ -201,8 +201,8 @@ def test_leaving_says_whether_it_unregistered_or_its_lease_ended(
     caplog.clear()
     h.ok("unregister", **h.auth("a", reg["token"]))
     assert lines(caplog) == [
-        ("INFO", "tenant a: grew 2 page(s) (+8.00 MiB) since it registered 0 s ago; now 8.00 MiB mapped"),
-        ("INFO", "tenant a unregistered: 4 page(s) (8.00 MiB) back to the pool"),
+        ("INFO", "tenant a: grew 2 logical page(s) (+8.00 MiB) since it registered 0 s ago; now 8.00 MiB mapped"),
+        ("INFO", "tenant a unregistered: 4 physical page(s) (8.00 MiB) back to the pool"),
     ]  # the summary it had not had yet, then the leaving
     h.register("late", leased=False)
     caplog.clear()
@@ -217,7 +217,7 @@ def test_leaving_says_whether_it_unregistered_or_its_lease_ended(
     (record,) = lines(caplog)
     assert record == ("WARNING", (
         "tenant gone (pid 1234) removed: its lease ended without an unregister (handle channel "
-        "closed: EOF); 2 page(s) (4.00 MiB) back to the pool"
+        "closed: EOF); 2 physical page(s) (4.00 MiB) back to the pool"
     ))  # fmt: skip
 
 
@@ -240,12 +240,12 @@ def test_a_live_daemon_logs_each_state_change_of_a_real_pool(caplog: pytest.LogC
             "max 64.0 MiB, min 0 B, weight 1; operator policy: no operator limits"
         )
         blocks = pool.alloc(4)  # one logical page
-        assert logged("tenant llama-a: grew").startswith("tenant llama-a: grew 1 page(s) (+4.00 MiB)")
+        assert logged("tenant llama-a: grew").startswith("tenant llama-a: grew 1 logical page(s) (+4.00 MiB)")
         admin.set_limit("llama-a", max_bytes=32 * MiB)
         assert logged("limits of llama-a").startswith("limits of llama-a set by an admin: max 32.0 MiB")
         admin.sleep("llama-a", "warm")
         assert logged("is sleeping-warm") == (
-            "tenant llama-a is sleeping-warm (asked by an admin): 2 page(s) (4.00 MiB) freed, "
+            "tenant llama-a is sleeping-warm (asked by an admin): 2 physical page(s) (4.00 MiB) freed, "
             "4.00 MiB kept in host memory"
         )
         pool.alloc(4)  # asleep with auto-wake: the pool wakes itself
@@ -263,7 +263,7 @@ def test_a_live_daemon_logs_each_state_change_of_a_real_pool(caplog: pytest.LogC
         lease.abandon()  # as when its process dies: the handle channel closes, no unregister
         assert re.fullmatch(
             r"tenant qwen-b \(pid \d+\) removed: its lease ended without an unregister "
-            r"\(handle channel closed: .*\); 2 page\(s\) \(4.00 MiB\) back to the pool",
+            r"\(handle channel closed: .*\); 2 physical page\(s\) \(4.00 MiB\) back to the pool",
             logged("tenant qwen-b (pid"),
         )
         kvd.check_invariants()
