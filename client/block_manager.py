@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from kvdaemon.client.prefix_cache import ROOT, ChainLink, PrefixCache, token_array
-from kvdaemon.errors import BadRequest, DaemonUnreachable, PoolExhausted
+from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolExhausted
 
 _T = TypeVar("_T")
 
@@ -213,7 +213,7 @@ class BlockManager:
         num_fresh = self._blocks_for(len(tokens)) - len(hits)
         try:
             fresh = self._allocate(num_fresh + max(0, headroom_blocks))
-        except Exception:  # whatever the source raised (exhausted, unreachable, asleep): no hit kept
+        except KVDaemonError:  # whatever the source refused with (exhausted, unreachable, asleep): no hit kept
             for block_id in reversed(hits):
                 self.cache.release(block_id)
             raise
@@ -340,7 +340,7 @@ class BlockManager:
         self.source.free(self.cache.evict(rest))
         try:
             return held + self.source.alloc(rest)
-        except Exception:  # all or nothing, whatever the source raised
+        except KVDaemonError:  # all or nothing, whatever the source refused with
             if held:
                 self.source.free(held)
             raise

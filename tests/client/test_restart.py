@@ -6,8 +6,10 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -92,20 +94,37 @@ def test_engines_keep_their_kv_across_a_daemon_restart(root: Path) -> None:
         client.close()
 
 
-def test_a_pool_over_the_new_daemons_limit_joins_it_empty(root: Path) -> None:
+@contextmanager
+def detached_pool(
+    root: Path, name: str, num_blocks: int, value: float,
+) -> Iterator[tuple[KVClient, KVPool, list[int], list[subprocess.Popen[bytes]]]]:
+    """A pool holding ``num_blocks`` blocks written with ``value``, its daemon SIGKILLed and its
+    lease lost; yields the client, the pool, the blocks, and the daemons to kill afterwards
+    (a test appends the one it starts)."""
     first = start_daemon(root)
+    daemons = [first]
     client = KVClient(root)
-    second = None
     try:
-        pool = client.register("big", SPEC, num_prefetch_pages=0)
-        blocks = pool.alloc(2 * BLOCKS_PER_PAGE)
-        written(pool, blocks, 5.0)
+        pool = client.register(name, SPEC, num_prefetch_pages=0)
+        blocks = pool.alloc(num_blocks)
+        written(pool, blocks, value)
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
         wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
+        yield client, pool, blocks, daemons
+        pool.close()
+    finally:
+        for proc in daemons:
+            if proc.poll() is None:
+                proc.kill()
+        client.close()
+
+
+def test_a_pool_over_the_new_daemons_limit_joins_it_empty(root: Path) -> None:
+    with detached_pool(root, "big", 2 * BLOCKS_PER_PAGE, 5.0) as (client, pool, _, daemons):
         page = 2 * PAGE_BYTES  # one logical page: two segments of one page
         write_policies(policy_path(root), {"big": parse_policy({"max": page}, "test")})
-        second = start_daemon(root)  # it reads the policy: 'big' may hold one of its two pages
+        daemons.append(start_daemon(root))  # it reads the policy: 'big' may hold one of its two pages
         wait_until(lambda: not pool.lease.lost.is_set(), 15, "the pool never joined the new daemon")
         assert pool.num_block_losses == 1 and pool.num_used_blocks == 0 and pool.mapped_bytes == 0
         rows = tenant_rows(client)
@@ -113,27 +132,12 @@ def test_a_pool_over_the_new_daemons_limit_joins_it_empty(root: Path) -> None:
         again = pool.alloc(BLOCKS_PER_PAGE)  # what the limit allows is granted from the new daemon
         written(pool, again, 6.0)
         assert holds(pool, again, 6.0)
-        pool.close()
-    finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-        client.close()
 
 
 def test_a_pool_never_joins_a_daemon_of_another_page_size(root: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="kvdaemon.client.pool")
-    first = start_daemon(root)
-    client = KVClient(root)
-    second = None
-    try:
-        pool = client.register("a", SPEC, num_prefetch_pages=0)
-        blocks = pool.alloc(BLOCKS_PER_PAGE)
-        written(pool, blocks, 3.0)
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait(10)
-        wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
-        second = start_daemon(root, "64MiB", "--page-size", str(PAGE_BYTES // 2))
+    with detached_pool(root, "a", BLOCKS_PER_PAGE, 3.0) as (client, pool, blocks, daemons):
+        daemons.append(start_daemon(root, "64MiB", "--page-size", str(PAGE_BYTES // 2)))
         wait_until(lambda: any("--page-size" in r.getMessage() for r in caplog.records), 10, "never said why")
         time.sleep(2.5)  # two more agent ticks: still not registered, said once
         assert tenant_rows(client) == {} and pool.lease.lost.is_set()
@@ -141,9 +145,3 @@ def test_a_pool_never_joins_a_daemon_of_another_page_size(root: Path, caplog: py
         assert holds(pool, blocks, 3.0)  # it serves from what it maps
         with pytest.raises(DaemonUnreachable, match="--page-size"):
             pool.alloc(2 * BLOCKS_PER_PAGE)
-        pool.close()
-    finally:
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-        client.close()
