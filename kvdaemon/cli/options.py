@@ -15,7 +15,8 @@ from kvdaemon.cli.exit_codes import EPILOG
 from kvdaemon.cli.output import fail_usage
 from kvdaemon.daemon.config import dir_from
 from kvdaemon.daemon.policies import MAX_WEIGHT, MIN_WEIGHT
-from kvdaemon.errors import ConfigError
+from kvdaemon.daemon.tenant import check_name
+from kvdaemon.errors import BadRequest, ConfigError
 from kvdaemon.wire.sizes import SizeSpec, parse_size
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -68,6 +69,20 @@ class WeightParam(click.ParamType):
         if not MIN_WEIGHT <= weight <= MAX_WEIGHT:
             self.fail(f"{value!r} is not in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]", param, ctx)
         return weight
+
+
+class TenantNameParam(click.ParamType):
+    """A tenant's name as the daemon accepts it (1-128 of letters, digits, ``._:-``, starting
+    with a letter or digit): a name no tenant could have is a usage error (exit 2), caught
+    before the daemon is asked."""
+
+    name = "name"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        try:
+            return check_name(value)
+        except BadRequest as err:
+            self.fail(err.message, param, ctx)
 
 
 class SecondsParam(click.FloatRange):

@@ -15,7 +15,8 @@ from rich.console import Console
 
 from kvdaemon.cli import reach, status_view
 from kvdaemon.cli.options import (
-    JsonAwareCommand, PolicySizeParam, SecondsParam, WeightParam, command_help, daemon_dir, daemon_options,
+    JsonAwareCommand, PolicySizeParam, SecondsParam, TenantNameParam, WeightParam, command_help, daemon_dir,
+    daemon_options,
 )  # fmt: skip
 from kvdaemon.cli.output import emit, reporting
 from kvdaemon.cli.tenant_wait import wait_for_tenants
@@ -38,7 +39,7 @@ def stdout_console() -> Console:
     short_help="Show capacity, free memory and the tenants (all, or those named).",
     epilog=command_help("kvdaemon status\nkvdaemon status llama-a --json | jq .tenants[0].mapped_bytes"),
 )
-@click.argument("names", nargs=-1, metavar="[NAME]...")
+@click.argument("names", nargs=-1, metavar="[NAME]...", type=TenantNameParam())
 @daemon_options
 @reporting
 def status(names: tuple[str, ...], dir_flag: Path | None, config_file: Path | None,
@@ -89,7 +90,7 @@ kvdaemon limit qwen-b --max none       # remove the limit
 kvdaemon limit qwen-b --reset          # forget what `limit` set: the config file's apply
 """),
 )
-@click.argument("name")
+@click.argument("name", type=TenantNameParam())
 @click.option("--max", "max_size", type=PolicySizeParam(),
               help="Limit: bytes, 8GiB, a percentage of the daemon's capacity, or none.")
 @click.option("--min", "min_size", type=PolicySizeParam(),
@@ -181,7 +182,7 @@ def limit_text(result: dict[str, Any]) -> str:
     short_help="Put a tenant to sleep: its pages go back to the pool.",
     epilog=command_help("kvdaemon sleep llama-a\nkvdaemon sleep llama-a --cold"),
 )
-@click.argument("name")
+@click.argument("name", type=TenantNameParam())
 @click.option("--cold", is_flag=True, help="Drop the KV instead of keeping it in host memory.")
 @daemon_options
 @reporting
@@ -220,7 +221,7 @@ def sleep(name: str, cold: bool, dir_flag: Path | None, config_file: Path | None
     short_help="Wake a sleeping tenant; a no-op for an awake one.",
     epilog=command_help("kvdaemon wake llama-a"),
 )
-@click.argument("name")
+@click.argument("name", type=TenantNameParam())
 @daemon_options
 @reporting
 def wake(name: str, dir_flag: Path | None, config_file: Path | None, as_json: bool) -> None:
@@ -258,7 +259,7 @@ kvdaemon sleep llama-a && kvdaemon wait llama-a --state active   # until its eng
 kvdaemon wait llama-a --idle 300 && kvdaemon sleep llama-a
 """),
 )
-@click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@click.argument("names", nargs=-1, required=True, metavar="NAME...", type=TenantNameParam())
 @click.option("--timeout", "timeout_s", type=SecondsParam(min=0), default=60.0,
               show_default=True, metavar="SECONDS", help="Give up after this long (exit 5).")
 @click.option("--idle", "idle_s", type=SecondsParam(min=0), metavar="SECONDS",
