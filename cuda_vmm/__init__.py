@@ -3,7 +3,7 @@
 from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, Backend, MemInfo, PhysicalPage
 from kvdaemon.cuda_vmm.cuda import CudaBackend
 from kvdaemon.cuda_vmm.host import HostBackend
-from kvdaemon.cuda_vmm.chooser import BACKEND_NAMES, cuda_available, open_backend
+from kvdaemon.cuda_vmm.chooser import BACKEND_NAMES, auto_kind, cuda_available, open_backend
 
 __all__ = [
     "BACKEND_NAMES",
@@ -13,6 +13,7 @@ __all__ = [
     "HostBackend",
     "MemInfo",
     "PhysicalPage",
+    "auto_kind",
     "cuda_available",
     "open_backend",
 ]

@@ -65,7 +65,9 @@ kvdaemon start --foreground --config /etc/kvdaemon/kvdaemon.toml   # under syste
 @daemon_options
 @click.option("--backend", type=click.Choice(BACKENDS, case_sensitive=False),
               help="Memory backend [default: auto: cuda where a GPU is usable, else host].")
-@click.option("--device", type=int, metavar="N", help="CUDA device index [default: 0].")
+@click.option("--device", type=int, metavar="N",
+              help="CUDA device index [default: 0]. A nonzero one that is not usable is an error "
+                   "(auto does not fall back to host memory for it); host is device 0 alone.")
 @click.option("--capacity", metavar="SIZE",
               help="Pool size: bytes, 40GiB, or 90% of the device (host: of RAM) [default: 50%].")
 @click.option("--page-size", metavar="SIZE", help="Physical page size [default: 2MiB].")

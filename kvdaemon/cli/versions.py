@@ -74,10 +74,15 @@ def kernel_driver_version() -> str | None:
 
 
 def auto_backend(device: int) -> str:
-    """The backend ``--backend auto`` would pick on ``device``: cuda where usable, else host."""
-    from kvdaemon.cuda_vmm import cuda_available
+    """The backend ``--backend auto`` would pick on ``device``: cuda where usable, else host;
+    for a nonzero ``device`` that is not usable, why not."""
+    from kvdaemon.cuda_vmm import auto_kind
+    from kvdaemon.errors import BackendError
 
-    return "cuda" if cuda_available(device) else "host"
+    try:
+        return auto_kind(device)
+    except BackendError as err:
+        return f"none ({err.message})"
 
 
 def version_text(info: dict[str, Any], with_daemon: bool = True) -> str:

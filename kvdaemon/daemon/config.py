@@ -68,7 +68,7 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         values.check_dir(self.dir)
         values.check_backend(self.backend)
-        values.check_device(self.device)
+        values.check_device(self.device, self.backend)
         values.check_capacity(self.capacity)
         values.check_page_size(self.page_size_bytes)
         values.check_host(self.metrics_host)

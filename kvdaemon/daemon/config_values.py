@@ -202,9 +202,13 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def check_device(device: int) -> int:
+def check_device(device: int, backend: str = "auto") -> int:
+    """A GPU's index; the host backend has device 0 alone (any other is a mistake to say)."""
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise ConfigError(f"device must be an integer >= 0, got {device!r}")
+    if backend == "host" and device:
+        raise ConfigError(f"device {device} with backend host: --device chooses a CUDA GPU "
+                          "(host memory is device 0); drop it or use --backend cuda")
     return device
 
 

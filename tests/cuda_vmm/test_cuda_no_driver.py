@@ -70,3 +70,19 @@ def test_auto_falls_back_to_the_host_backend() -> None:
         backend.free_range(addr)
     finally:
         backend.close()
+
+
+def test_auto_does_not_fall_back_to_host_for_a_named_gpu() -> None:
+    with pytest.raises(BackendError, match="device 2 names a CUDA GPU, and it is not usable here") as info:
+        open_backend("auto", num_pages=2, device=2)
+    assert info.value.code == "BACKEND_ERROR"
+    assert "without --device, auto runs on host memory" in info.value.message
+
+
+def test_the_host_backend_has_device_0_alone() -> None:
+    with pytest.raises(BackendError, match="the host backend has no device 1") as info:
+        open_backend("host", num_pages=2, device=1)
+    assert info.value.code == "BACKEND_ERROR"
+    backend = open_backend("host", num_pages=2, device=0)
+    assert backend.device == 0
+    backend.close()

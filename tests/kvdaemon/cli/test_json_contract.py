@@ -164,6 +164,7 @@ def test_errors_are_json_too(cli: Cli) -> None:
         (("start", "--metrics-address", "nowhere"), "CONFIG", "--metrics-address: "),
         (("start", "--backend", "host", "--capacity", "1000TiB"), "CONFIG", "exceeds the device"),
         (("start", "--config", "/nonexistent.toml"), "CONFIG", "cannot read config file"),
+        (("start", "--backend", "host", "--device", "3"), "CONFIG", "device 3 with backend host"),
     ],
 )
 def test_every_usage_error_exits_2(cli: Cli, args: tuple[str, ...], code: str, fragment: str) -> None:

@@ -53,12 +53,12 @@ def test_defaults() -> None:
 def test_file_sets_every_key(tmp_path: Path) -> None:
     file = write_toml(
         tmp_path,
-        'dir = "/tmp/kvd-file"\nbackend = "host"\ndevice = 2\ncapacity = "1GiB"\n'
+        'dir = "/tmp/kvd-file"\nbackend = "cuda"\ndevice = 2\ncapacity = "1GiB"\n'
         'page_size = "4MiB"\nmetrics_port = 9400\nidle_sleep = "5m"\nlog_level = "debug"\n',
     )
     config = load_config({}, {}, file)
     assert config == DaemonConfig(
-        dir=Path("/tmp/kvd-file"), backend="host", device=2, capacity=bytes_of(GiB),
+        dir=Path("/tmp/kvd-file"), backend="cuda", device=2, capacity=bytes_of(GiB),
         page_size_bytes=4 * MiB, metrics_port=9400, idle_sleep_s=300.0, log_level="DEBUG",
     )  # fmt: skip
 
@@ -87,13 +87,13 @@ def test_env_overrides_file_and_flags_override_env(tmp_path: Path) -> None:
 
 def test_every_env_variable_is_read() -> None:
     env = {
-        "KVDAEMON_DIR": "/tmp/kvd-env", "KVDAEMON_BACKEND": "HOST", "KVDAEMON_DEVICE": "1",
+        "KVDAEMON_DIR": "/tmp/kvd-env", "KVDAEMON_BACKEND": "CUDA", "KVDAEMON_DEVICE": "1",
         "KVDAEMON_CAPACITY": "256MiB", "KVDAEMON_PAGE_SIZE": "64KiB",
         "KVDAEMON_METRICS_PORT": "9100", "KVDAEMON_IDLE_SLEEP": "90s",
         "KVDAEMON_LOG_LEVEL": "error",
     }  # fmt: skip
     assert load_config({}, env, None) == DaemonConfig(
-        dir=Path("/tmp/kvd-env"), backend="host", device=1, capacity=bytes_of(256 * MiB),
+        dir=Path("/tmp/kvd-env"), backend="cuda", device=1, capacity=bytes_of(256 * MiB),
         page_size_bytes=64 * 1024, metrics_port=9100, idle_sleep_s=90.0, log_level="ERROR",
     )  # fmt: skip
 
@@ -213,6 +213,8 @@ def test_bad_direct_construction_is_refused() -> None:
         DaemonConfig(backend="tpu")
     with pytest.raises(ConfigError):
         DaemonConfig(device=-1)
+    with pytest.raises(ConfigError, match="device 1 with backend host: --device chooses a CUDA GPU"):
+        DaemonConfig(backend="host", device=1)
     with pytest.raises(ConfigError):
         DaemonConfig(page_size_bytes=4097)
     with pytest.raises(ConfigError):
@@ -259,7 +261,7 @@ def test_capacity_bytes_refuses_impossible_sizes(
     "flags",
     [
         {},
-        {"dir": "/tmp/kvd-argv", "backend": "host", "capacity": "12.5%", "device": "1"},
+        {"dir": "/tmp/kvd-argv", "backend": "cuda", "capacity": "12.5%", "device": "1"},
         {"capacity": "1.5GiB", "page-size": "64KiB", "metrics-port": "9400",
          "idle-sleep": "2.5m", "log-level": "debug"},
     ],
