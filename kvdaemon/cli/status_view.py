@@ -25,7 +25,7 @@ from kvdaemon.wire.sizes import format_bytes, format_bytes_short
 SILENT_S = 15.0  # three of a pool's idle heartbeats missed (``pool_agent.IDLE_HEARTBEAT_S``)
 COLUMNS = ("name", "pid", "state", "mapped", "in use", "limit", "min", "weight", "idle")
 NUMERIC = {"pid", "mapped", "in use", "limit", "min", "weight", "idle"}
-NAME_WIDTH = 16
+NAME_WIDTH = 16  # the least a name gets: the other columns fit 80 columns beside it
 STATE_WORDS = {"active": "active", "sleeping-warm": "asleep (warm)", "sleeping-cold": "asleep (cold)"}
 POLICY_FIELDS = ("max", "min", "weight")
 
@@ -63,15 +63,27 @@ def header_lines(dir: Path, status: dict[str, Any], num_registered: int | None =
     return lines
 
 
-def tenant_table(tenants: list[dict[str, Any]]) -> Table:
-    """One row per tenant, in the order given, with the columns of ``COLUMNS``."""
+def name_width(console_width: int, least: int = NAME_WIDTH, rest: int = 80 - NAME_WIDTH) -> int:
+    """The widest a name may be on a console ``console_width`` wide: what the other columns
+    (``rest``) leave, at least ``least``. Piped output is 200 wide: no name (128 at most) is cut."""
+    return max(least, console_width - rest)
+
+
+def fits_unicode(encoding: str | None) -> bool:
+    """Whether a console of ``encoding`` prints the bars' and separators' glyphs (else ASCII)."""
+    return (encoding or "").lower().replace("-", "").startswith("utf")
+
+
+def tenant_table(tenants: list[dict[str, Any]], console_width: int = 80, unicode: bool = True) -> Table:
+    """One row per tenant, in the order given, with the columns of ``COLUMNS``; a name longer
+    than ``name_width(console_width)`` is cut (with an ellipsis where ``unicode``)."""
     table = Table(box=None, pad_edge=False, padding=(0, 1), collapse_padding=True,
                   header_style="bold")  # fmt: skip
     for column in COLUMNS:
         table.add_column(
             column, justify="right" if column in NUMERIC else "left", no_wrap=True,
-            max_width=NAME_WIDTH if column == "name" else None,
-            overflow="ellipsis",
+            max_width=name_width(console_width) if column == "name" else None,
+            overflow="ellipsis" if unicode else "crop",
         )  # fmt: skip
     for tenant in tenants:
         table.add_row(*(Text(cell) for cell in tenant_row(tenant)))  # names are not markup
@@ -180,7 +192,7 @@ def render(console: Console, dir: Path, status: dict[str, Any], num_registered: 
         console.print(Text(line), highlight=False, soft_wrap=True)
     tenants = status["tenants"]
     if tenants:
-        console.print(tenant_table(tenants))
+        console.print(tenant_table(tenants, console.width, fits_unicode(console.encoding)))
     else:
         console.print("no tenants registered", highlight=False)
     for tenant in tenants:

@@ -8,9 +8,11 @@ engine has no quiesce hook; a legend line says so), its sizes in at most six
 characters, a short bar and the share of mapped bytes against its limit
 (against the capacity without one), its idle time, what it owes (the bytes it
 maps above a limit lowered under it, in red; ``-`` when none) and how many of
-its grows were refused. Names longer than the column are cut with an
-ellipsis; everything else fits in 80 columns. Pure: builds renderables, prints
-nothing, reads no clock; O(tenants log tenants).
+its grows were refused. A frame is laid out when printed: names get what the
+console's width leaves beside the other columns (which fit 80) and only longer
+ones are cut, and a console that cannot print the bars' glyphs gets ASCII
+ones. Pure: builds renderables, prints nothing, reads no clock; O(tenants log
+tenants).
 """
 
 from __future__ import annotations
@@ -19,17 +21,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-from kvdaemon.cli.status_view import SILENT_S, cannot_sleep, format_duration, is_silent, owed_bytes, state_words
+from kvdaemon.cli.status_view import (
+    SILENT_S, cannot_sleep, fits_unicode, format_duration, is_silent, name_width, owed_bytes, state_words,
+)  # fmt: skip
 from kvdaemon.wire.sizes import format_bytes, format_bytes_short
 
 BAR_WIDTH = 20
 ROW_BAR_WIDTH = 3
-NAME_WIDTH = 14
-FILLED, EMPTY = "█", "░"
+NAME_WIDTH = 14  # the least a name gets
+GLYPHS = {True: ("█", "░", "·"), False: ("#", ".", "|")}  # filled, empty, separator; by fits_unicode
 UNREACHABLE = "daemon unreachable"
 NO_SLEEP_MARK = "*"
 NO_SLEEP_LEGEND = "* cannot be slept: its engine has no quiesce hook"
@@ -53,23 +57,48 @@ def frame(
     footer: str | None = None,
     sort: str = "mapped",
 ) -> RenderableType:
-    """One screen of ``kvdaemon top``: header, tenants sorted by ``sort``, then ``footer``.
+    """One screen of ``kvdaemon top``: header, tenants sorted by ``sort``, then ``footer``,
+    laid out for the console it is printed on (see the module docstring).
 
     With ``None`` (no daemon answered): one line saying ``daemon unreachable``.
     """
+    return _Frame(dir, status, footer, sort)
+
+
+class _Frame:
+    """``frame``'s renderable: built at print time from the console's width and encoding."""
+
+    def __init__(self, dir: Path, status: dict[str, Any] | None, footer: str | None, sort: str) -> None:  # noqa: A002
+        self.dir, self.status, self.footer, self.sort = dir, status, footer, sort
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield layout(self.dir, self.status, self.footer, self.sort, options.max_width,
+                     fits_unicode(console.encoding))  # fmt: skip
+
+
+def layout(
+    dir: Path,  # noqa: A002
+    status: dict[str, Any] | None,
+    footer: str | None,
+    sort: str,
+    width: int = 80,
+    unicode: bool = True,
+) -> RenderableType:
+    """``frame`` for a console ``width`` wide that prints ``unicode`` glyphs or not."""
     parts: list[RenderableType] = []
     if status is None:
         parts.append(Text(f"kvdaemon at {dir}: {UNREACHABLE}, retrying", style="bold red"))
     else:
-        parts.extend(header(dir, status))
+        parts.extend(header(dir, status, unicode))
         tenants = sorted_tenants(status["tenants"], sort)
-        parts.append(tenant_table(status, tenants) if tenants else Text("no tenants registered"))
+        table = tenant_table(status, tenants, width, unicode)
+        parts.append(table if tenants else Text("no tenants registered"))
         if any(cannot_sleep(tenant) for tenant in tenants):
             parts.append(Text(NO_SLEEP_LEGEND, style="dim"))
         if any(is_silent(tenant) for tenant in tenants):
             parts.append(Text(SILENT_LEGEND, style="dim"))
     if footer:
-        parts.append(Text(footer, style="dim"))
+        parts.append(Text(footer if unicode else footer.replace(GLYPHS[True][2], GLYPHS[False][2]), style="dim"))
     return Group(*parts)
 
 
@@ -83,18 +112,19 @@ def _column(sort: str) -> str:
     return "in use" if sort == "used" else sort
 
 
-def header(dir: Path, status: dict[str, Any]) -> list[Text]:  # noqa: A002
+def header(dir: Path, status: dict[str, Any], unicode: bool = True) -> list[Text]:  # noqa: A002
     """Where and what (directory, backend, page, tenants), then capacity, free and the bar."""
     capacity, free = status["capacity_bytes"], status["free_bytes"]
     num_tenants = len(status["tenants"])
+    dot = GLYPHS[unicode][2]
     return [
         Text(
-            f"kvdaemon at {dir} · backend {status['backend']} · "
-            f"page {format_bytes(status['page_size'])} · {num_tenants} tenant(s)"
+            f"kvdaemon at {dir} {dot} backend {status['backend']} {dot} "
+            f"page {format_bytes(status['page_size'])} {dot} {num_tenants} tenant(s)"
         ),
         Text.assemble(
-            f"capacity {format_bytes(capacity)} · free {format_bytes(free)} · mapped ",
-            usage_bar(capacity - free, capacity),
+            f"capacity {format_bytes(capacity)} {dot} free {format_bytes(free)} {dot} mapped ",
+            usage_bar(capacity - free, capacity, unicode=unicode),
         ),
     ]
 
@@ -108,11 +138,14 @@ def sorted_tenants(tenants: list[dict[str, Any]], sort: str) -> list[dict[str, A
     return sorted(by_name, key=key, reverse=descending)
 
 
-def tenant_table(status: dict[str, Any], tenants: list[dict[str, Any]]) -> Table:
-    """One row per tenant of ``tenants``, in that order."""
+def tenant_table(
+    status: dict[str, Any], tenants: list[dict[str, Any]], width: int = 80, unicode: bool = True,
+) -> Table:
+    """One row per tenant of ``tenants``, in that order, for a console ``width`` wide."""
     table = Table(box=None, pad_edge=False, padding=(0, 1), collapse_padding=True,
                   header_style="bold")  # fmt: skip
-    table.add_column("name", max_width=NAME_WIDTH, overflow="ellipsis", no_wrap=True)
+    table.add_column("name", max_width=name_width(width, NAME_WIDTH, 80 - NAME_WIDTH),
+                     overflow="ellipsis" if unicode else "crop", no_wrap=True)  # fmt: skip
     table.add_column("state", no_wrap=True)
     for column in ("mapped", "in use", "limit"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -133,7 +166,7 @@ def tenant_table(status: dict[str, Any], tenants: list[dict[str, Any]]) -> Table
             format_bytes_short(mapped),
             format_bytes_short(int(tenant["used_bytes"])),
             "none" if limit is None else format_bytes_short(int(limit)),
-            usage_bar(mapped, capacity if limit is None else int(limit), width=ROW_BAR_WIDTH),
+            usage_bar(mapped, capacity if limit is None else int(limit), width=ROW_BAR_WIDTH, unicode=unicode),
             format_duration(float(tenant["idle_seconds"])),
             Text(format_bytes_short(owed), style="bold red") if owed else Text("-", style="dim"),
             Text(str(refused), style="yellow") if refused else Text("-", style="dim"),
@@ -141,7 +174,7 @@ def tenant_table(status: dict[str, Any], tenants: list[dict[str, Any]]) -> Table
     return table
 
 
-def usage_bar(used: int, total: int, width: int = BAR_WIDTH) -> Text:
+def usage_bar(used: int, total: int, width: int = BAR_WIDTH, unicode: bool = True) -> Text:
     """``width`` cells, the share ``used / total`` of them filled, then that share in %.
 
     Anything used fills at least one cell; at or over the total (a limit
@@ -151,8 +184,9 @@ def usage_bar(used: int, total: int, width: int = BAR_WIDTH) -> Text:
     ratio = _ratio(used, total)
     filled = min(width, max(round(width * ratio), 1 if used > 0 else 0))
     style = "red" if ratio >= 1 else "yellow" if ratio >= 0.8 else "green"
+    full, empty, _ = GLYPHS[unicode]
     return Text.assemble(
-        (FILLED * filled, style), (EMPTY * (width - filled), "dim"), f" {percent(used, total):>4}"
+        (full * filled, style), (empty * (width - filled), "dim"), f" {percent(used, total):>4}"
     )
 
 

@@ -88,6 +88,14 @@ def test_every_line_fits_80_columns() -> None:
     ]  # fmt: skip
 
 
+def test_names_get_what_the_console_width_leaves() -> None:
+    name = "qwen-2.5-7b-instruct-" + "y" * 107  # 128 characters, the longest a name may be
+    wide = rendered(make_status([make_tenant(name=name)]), width=200).splitlines()
+    assert wide[3].split()[0] == name  # piped output is 200 wide: a name is never cut
+    narrow = rendered(make_status([make_tenant(name=name)]), width=100).splitlines()
+    assert narrow[3].split()[0] == name[:35] + "…" and all(len(line) <= 100 for line in narrow)
+
+
 def test_a_tenant_that_needs_attention_gets_a_note() -> None:
     over = make_tenant(name="over", mapped_bytes=3072 * MiB, max_bytes=2048 * MiB,
                        over_limit_bytes=1024 * MiB, refused_grows=3, sleepable=False)  # fmt: skip

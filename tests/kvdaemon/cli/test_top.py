@@ -23,7 +23,9 @@ import pytest
 from rich.console import Console
 
 from kvdaemon.cli import top_view
-from kvdaemon.cli.top_view import EMPTY, FILLED
+from kvdaemon.cli.top_view import GLYPHS
+
+FILLED, EMPTY, _ = GLYPHS[True]
 from tests.conftest import small_spec
 from tests.kvdaemon.cli import test_cli_lifecycle as lifecycle_tests
 from tests.kvdaemon.cli.test_cli_lifecycle import Cli
@@ -111,6 +113,29 @@ def test_a_long_name_is_cut_not_wrapped() -> None:
     assert lines[3].split()[-3:] == ["99h59m", "-", "123456"]
 
 
+def test_a_wide_console_shows_whole_names() -> None:
+    name = "llama-3.1-8b-instruct-" + "x" * 106  # 128 characters, the longest a name may be
+    lines = rendered(make_status([make_tenant(name=name)]), width=200).splitlines()
+    assert lines[3].startswith(name + " active")  # piped output is 200 wide: never cut
+    cut = rendered(make_status([make_tenant(name=name)]), width=100).splitlines()[3]
+    assert cut.startswith(name[:33] + "… active") and len(cut) <= 100  # what 100 columns leave
+
+
+def test_an_ascii_console_gets_ascii_glyphs() -> None:
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="ascii")
+    name = "llama-3-70b-instruct-production-replica-7"
+    Console(file=out, width=80, color_system=None).print(
+        top_view.frame(ROOT, make_status([make_tenant(name=name)]), "q quit · 1s")
+    )
+    out.flush()
+    lines = raw.getvalue().decode("ascii").splitlines()
+    assert lines[0].startswith(f"kvdaemon at {ROOT} | backend host | page ")
+    assert "#" in lines[1] and "." in lines[1]
+    assert lines[3].startswith("llama-3-70b-in active")  # cut without an ellipsis
+    assert lines[-1] == "q quit | 1s"
+
+
 @pytest.mark.parametrize(
     ("sort", "order"),
     [
@@ -180,6 +205,15 @@ def test_top_once_shows_each_tenant(cli: Cli) -> None:
         first.close()
         second.close()
         client.close()
+
+
+def test_top_once_prints_on_a_non_utf8_stdout(cli: Cli) -> None:
+    cli.started_pid()
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run([sys.executable, "-m", "kvdaemon", "top", "--once", "--dir", str(cli.dir)],
+                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == f"kvdaemon at {cli.dir} | backend host | page 2.00 MiB | 0 tenant(s)"
 
 
 def test_top_once_without_a_daemon_exits_1(cli: Cli) -> None:
