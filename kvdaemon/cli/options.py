@@ -128,10 +128,21 @@ def command_help(example: str) -> str:
     return f"\b\nExample:\n{lines}\n\n{EPILOG}"
 
 
+class DirParam(click.Path):
+    """The daemon directory: a path, never empty (``--dir ""`` is an unset variable in a
+    script, not the working directory)."""
+
+    def __init__(self) -> None:
+        super().__init__(file_okay=False, path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail("the directory must be a non-empty path", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def dir_option(command: F) -> F:
-    return click.option(
-        "--dir", "dir_flag", type=click.Path(file_okay=False, path_type=Path), help=DIR_HELP,
-    )(command)  # fmt: skip
+    return click.option("--dir", "dir_flag", type=DirParam(), help=DIR_HELP)(command)
 
 
 def config_option(command: F) -> F:

@@ -209,6 +209,7 @@ def dir_from(flag: str | Path | None, env: Mapping[str, str], file: Path | None 
     return values.parse_dir(default_dir())
 
 
+PATH_KEYS = frozenset({"dir", "log-file"})  # relative in a file: from the file's folder
 TENANT_FLAG = "--tenant-policy"  # hidden: how a detached start hands [tenants] to its child
 
 
@@ -251,7 +252,8 @@ def _parse_from(source: str, parse: Callable[[Any], Any], raw: Any) -> Any:
 
 def _read_toml(file: Path) -> tuple[dict[str, tuple[str, Any]], Any]:
     """The file's keys (as ``KEYS`` spells them) -> (spelling in the file, value), and
-    its ``tenants`` table (``None`` without one)."""
+    its ``tenants`` table (``None`` without one). A relative path (``dir``, ``log-file``)
+    is taken from the file's folder, so one file means one daemon from any working directory."""
     try:
         with open(file, "rb") as stream:
             table = tomllib.load(stream)
@@ -262,7 +264,12 @@ def _read_toml(file: Path) -> tuple[dict[str, tuple[str, Any]], Any]:
     except UnicodeDecodeError as err:  # TOML is UTF-8 text
         raise ConfigError(f"config file {file} is not valid TOML: not UTF-8 text (byte {err.start})") from err
     tenants = table.pop("tenants", None)
-    return _normalised(table, f"config file {file}: key"), tenants
+    values_by_key = _normalised(table, f"config file {file}: key")
+    for key in PATH_KEYS & values_by_key.keys():
+        spelling, raw = values_by_key[key]
+        if isinstance(raw, str) and raw and not raw.startswith(("/", "~")):
+            values_by_key[key] = (spelling, str(Path(file).absolute().parent / raw))
+    return values_by_key, tenants
 
 
 def _normalised(given: Mapping[str, Any], what: str) -> dict[str, tuple[str, Any]]:

@@ -187,3 +187,11 @@ def test_config_is_read_by_every_command(cli: Cli, tmp_path: Any) -> None:
     assert json_of(run("status", "--json"))["dir"] == str(cli.dir)
     assert json_of(run("version", "--json"))["daemon"]["pid"] == cli.daemon_pid()
     assert json_of(run("stop", "--json"))["stopped"] is True
+
+
+@pytest.mark.parametrize("command", ["start", "status", "stop"])
+def test_an_empty_dir_is_a_usage_error_not_the_working_directory(tmp_path: Any, command: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "kvdaemon", command, "--dir", "", "--json"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+    assert "the directory must be a non-empty path" in error_of(done, 2, "USAGE")
+    assert list(tmp_path.iterdir()) == []  # nothing was made in the working directory

@@ -63,6 +63,20 @@ def test_file_sets_every_key(tmp_path: Path) -> None:
     )  # fmt: skip
 
 
+def test_relative_paths_in_a_file_are_from_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    file = write_toml(tmp_path, 'dir = "run/kvd"\nlog_file = "logs/kvdaemon.log"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # a command's working directory does not change the daemon
+    config = load_config({}, {}, file)
+    assert (config.dir, config.log_file) == (tmp_path / "run/kvd", tmp_path / "logs/kvdaemon.log")
+    assert dir_from(None, {}, file) == tmp_path / "run/kvd"
+    assert load_config({"dir": "mine"}, {}, file).dir == elsewhere / "mine"  # a flag: from the cwd
+    assert load_config({}, {"KVDAEMON_DIR": "env"}, file).dir == elsewhere / "env"
+    absolute = write_toml(tmp_path, 'dir = "/tmp/kvd-abs"\n')
+    assert load_config({}, {}, absolute).dir == Path("/tmp/kvd-abs")
+
+
 def test_file_accepts_plain_numbers(tmp_path: Path) -> None:
     file = write_toml(tmp_path, "capacity = 67108864\npage_size = 2097152\nidle_sleep = 30\n")
     config = load_config({}, {}, file)
