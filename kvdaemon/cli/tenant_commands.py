@@ -99,7 +99,8 @@ kvdaemon limit qwen-b --reset          # forget what `limit` set: the config fil
               help="Share of contended memory, relative to other tenants, or none.")
 @click.option("--reset", is_flag=True,
               help="Forget what `kvdaemon limit` set for NAME; its [tenants.NAME] of the "
-                   "config file applies again.")
+                   "config file applies again. With --max/--min/--weight: forget, then set "
+                   "those alone.")
 @daemon_options
 @reporting
 def limit(name: str, max_size: str | None, min_size: str | None, weight: float | str | None,

@@ -30,7 +30,10 @@ from kvdaemon import __version__
 from kvdaemon.daemon.http_limits import (
     MAX_HANDLERS, REQUEST_TIMEOUT_S, BoundedServer, bounded_server,
 )  # fmt: skip
+from kvdaemon.daemon.tenant import TenantState
 from kvdaemon.errors import ConfigError
+
+STATE_NAMES = tuple(state.value for state in TenantState)  # each tenant's state series, 0 or 1
 
 Snapshot = Callable[[], dict[str, Any]]
 
@@ -109,7 +112,7 @@ def _tenant_gauges(tenants: list[dict[str, Any]]) -> Iterator[GaugeMetricFamily]
     )
     limit = GaugeMetricFamily(
         "kvdaemon_tenant_max_bytes",
-        "A tenant's limit in bytes (absent for a tenant without one).",
+        "A tenant's limit in bytes (the capacity where nothing sets a smaller one).",
         labels=["tenant"],
     )
     for tenant in tenants:
@@ -124,14 +127,16 @@ def _tenant_gauges(tenants: list[dict[str, Any]]) -> Iterator[GaugeMetricFamily]
 def _sleep_and_reclaim(status: dict[str, Any]) -> Iterator[Metric]:
     """Tenant states, host bytes of warm sleepers, and the sleep and reclaim counters."""
     state = GaugeMetricFamily(
-        "kvdaemon_tenant_state", "1 for the state a tenant is in.", labels=["tenant", "state"]
+        "kvdaemon_tenant_state", "1 for the state a tenant is in, 0 for each other state.",
+        labels=["tenant", "state"],
     )
     host = GaugeMetricFamily(
         "kvdaemon_tenant_host_bytes", "Bytes a warm sleeper keeps in host memory.",
         labels=["tenant"],
     )
     for tenant in status["tenants"]:
-        state.add_metric([str(tenant["name"]), str(tenant["state"])], 1)
+        for name in STATE_NAMES:
+            state.add_metric([str(tenant["name"]), name], int(name == tenant["state"]))
         host.add_metric([str(tenant["name"])], tenant.get("host_bytes", 0))
     yield from (state, host)
     yield _gauge("kvdaemon_host_bytes", "Bytes all warm sleepers keep in host memory.",

@@ -201,6 +201,9 @@ def test_states_host_bytes_and_sleep_counters(metrics: Metrics, fake: FakeDaemon
     assert samples[("kvdaemon_quarantined_bytes", ())] == 4 * MiB
     assert samples[("kvdaemon_tenant_state", (("state", "sleeping-warm"), ("tenant", "qwen-b")))] == 1
     assert samples[("kvdaemon_tenant_state", (("state", "active"), ("tenant", "llama-a")))] == 1
+    for state in ("active", "sleeping-cold"):  # every state has its series: 0 for the others
+        assert samples[("kvdaemon_tenant_state", (("state", state), ("tenant", "qwen-b")))] == 0
+    assert samples[("kvdaemon_tenant_state", (("state", "sleeping-warm"), ("tenant", "llama-a")))] == 0
     assert samples[("kvdaemon_tenant_host_bytes", (("tenant", "qwen-b"),))] == 6 * MiB
     assert samples[("kvdaemon_host_bytes", ())] == 6 * MiB
     assert samples[("kvdaemon_sleeps_total", ())] == 3
