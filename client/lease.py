@@ -310,11 +310,15 @@ class Lease:
         return int(result_of(reply)["num_released"])
 
     def heartbeat(
-        self, used_bytes: int | None = None, sleepable: bool | None = None, active: bool = False
+        self, used_bytes: int | None = None, sleepable: bool | None = None, active: bool = False,
+        num_refused: int = 0,
     ) -> dict[str, Any]:
         """Tell the daemon we are alive, how many bytes of blocks we hold, whether we can
-        quiesce, and whether the engine stepped since the last heartbeat."""
+        quiesce, whether the engine stepped since the last heartbeat, and how many grows the
+        pool refused itself since then (``num_refused``: past the limit it knows)."""
         args = self._args(active=active)
+        if num_refused:
+            args["refused_grows"] = num_refused
         if used_bytes is not None:
             args["used_bytes"] = used_bytes
         if sleepable is not None:

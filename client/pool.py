@@ -32,6 +32,7 @@ take no lock (only the block gate, see ``pool_lock``) and no daemon round trip.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from kvdaemon.client.control import ControlChannel
@@ -168,6 +169,18 @@ class KVPool:
     @reclaim_hook.setter
     def reclaim_hook(self, hook: Callable[[int], int] | None) -> None:
         self.core.reclaim_hook = hook
+
+    @property
+    def return_gate(self) -> Callable[[], AbstractContextManager[bool]] | None:
+        return self.core.return_gate
+
+    @return_gate.setter
+    def return_gate(self, gate: Callable[[], AbstractContextManager[bool]] | None) -> None:
+        """Entered by the agent around every return of spare pages it makes by itself (a
+        reclaim's, a lowered limit's, the excess past the spare allowance); it yields whether
+        pages may go now (False: they go at a later wake-up, or are owed). An engine that
+        counts ``num_free_blocks`` and takes them later holds it across the two (client/README.md, Hooks)."""
+        self.core.return_gate = gate
 
     @property
     def grow_wait_s(self) -> float | None:

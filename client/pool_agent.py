@@ -16,7 +16,9 @@ pool's lock only as long as each answer takes:
 - ``free``: pages a refused grow wanted are free again: the back-off ends, the
   engine's own grows may ask at once, and the reserve is probed now (a pool that
   recycles its cache leaves that to its engine's next allocation);
-- ``sleep`` / ``wake``: see ``pool_sleep``; ``limit``: the pool's known limit;
+- ``sleep`` / ``wake``: see ``pool_sleep``; ``limit``: the pool's known limit
+  (pages mapped past a lowered one go back, cache-only ones too: ``_pay_limit_debt``,
+  on every wake-up while over it);
 - ``revoked``: every page is unmapped here and the pool ends (``REVOKED``);
 - ``shutdown``: logged; the lease's end follows.
 
@@ -37,8 +39,9 @@ take their own cached blocks first, ``KVPool.scarce_free_blocks``), so tenants
 whose caches fill the device keep what they hold instead of passing pages back
 and forth), returns
 excess spare pages, retries unconfirmed returns, and tells the daemon
-``used_bytes``, whether the pool can be quiesced and whether the engine
-stepped, when they changed (used bytes and activity at most every ``REPORT_MIN_S``:
+``used_bytes``, whether the pool can be quiesced, whether the engine
+stepped and how many grows the pool refused itself past its limit (the daemon
+counts them with its own refusals), when they changed (used bytes and activity at most every ``REPORT_MIN_S``:
 a busy engine changes them every step), and at least every ``IDLE_HEARTBEAT_S`` (5 s)
 when nothing did, so the daemon can tell a silent (stopped, hung) process from an idle
 one. When the daemon is gone it keeps the pool serving from its mappings
@@ -53,7 +56,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from kvdaemon.client.lease import Lease
 from kvdaemon.client.pool_core import PoolCore
@@ -109,6 +113,7 @@ class PoolAgent:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._reported: tuple[int, bool] | None = None  # (used bytes, sleepable) last told
+        self._refusals_told = 0  # of the pool's own refusals past its limit (``num_limit_refusals``)
         self.reserve_backoff = Backoff()  # after refused grows toward the reserve, however often woken
         self.floor_backoff = Backoff()  # after refused grows toward the floor ahead of need
         self._floor_refused = False  # the daemon just refused the floor: evict the cache for it, once
@@ -152,6 +157,8 @@ class PoolAgent:
                 if self._stopping:
                     return
                 self._guarded(self._handle, notice)
+            if not self._stopping:
+                self._guarded(self._pay_limit_debt)
             if not self._stopping and self.core.recycles():  # before any grow: no round trip for these
                 self._guarded(self._blocks_from_cache, self.core.reserve_blocks)
             if not self._stopping:
@@ -177,7 +184,8 @@ class PoolAgent:
         return core.allocator.num_live * core.spec.block_bytes * core.spec.num_segments, core.quiesce_hook is not None
 
     def _report_pending(self) -> bool:
-        return self._active or self.core.active or self._report() != self._reported
+        return (self._active or self.core.active or self._report() != self._reported
+                or self.core.num_limit_refusals != self._refusals_told)
 
     def _guarded(self, step: Callable[..., None], *args: object) -> None:
         try:
@@ -213,16 +221,53 @@ class PoolAgent:
 
     def _reclaim(self, wanted: int, urgent: bool) -> None:
         core = self.core
-        returned = core.return_spare(wanted)
+        returned = self._return_spare(wanted)
         hook = core.reclaim_hook
         if returned < wanted and hook is not None:
             hook((wanted - returned) * core.allocator.blocks_per_page)  # cache-only pages next
-            returned += core.return_spare(wanted - returned)
+            returned += self._return_spare(wanted - returned)
         if returned < wanted and urgent:
             with core.lock:  # the rest go back as their blocks are freed
                 core.owed_pages = max(core.owed_pages, wanted - returned)
                 core.owed_at = time.monotonic()
         log.info("pool %s: returned %d of %d page(s) on request", core.name, returned, wanted)
+
+    def _return_spare(self, num_pages: int) -> int:
+        """Give back up to ``num_pages`` spare pages, inside the return gate; how many went."""
+        with self._returning() as may_return:
+            return self.core.return_spare(num_pages) if may_return else 0
+
+    @contextmanager
+    def _returning(self) -> Iterator[bool]:
+        """Whether spare pages may go back now: inside the engine's ``return_gate`` where it set
+        one (vLLM's is held from counting free blocks to taking them), else always. Never held
+        while a hook runs: a hook may wait for the engine, which may wait for the gate."""
+        gate = self.core.return_gate
+        if gate is None:
+            yield True
+            return
+        with gate() as may_return:
+            yield may_return
+
+    def _pay_limit_debt(self) -> None:
+        """Pages mapped past a limit lowered under them go back: spare ones at once, then those
+        the engine's cache-only blocks hold (its reclaim hook evicts the debt's worth of blocks,
+        whole pages first, then every cache-only block while a page is still over: a page goes
+        back only once each of its blocks is free, and an idle engine frees none by itself).
+        Blocks of running requests go back as they are freed; while over its limit the pool
+        keeps no cache. Cost: O(1) within the limit; over it, one or two hook calls, O(cached
+        blocks), per wake-up."""
+        core = self.core
+        over = core.pages_over_limit()
+        if over <= 0 or core.state is not PoolState.ACTIVE:
+            return
+        over -= self._return_spare(over)
+        for num_blocks in (over * core.allocator.blocks_per_page, core.allocator.num_blocks):
+            hook = core.reclaim_hook
+            if over <= 0 or hook is None:
+                return
+            hook(num_blocks)
+            over -= self._return_spare(over)
 
     def _revoke(self, why: str) -> None:
         core = self.core
@@ -244,7 +289,10 @@ class PoolAgent:
                 if core.owed_pages and time.monotonic() - core.owed_at > OWED_S:
                     core.owed_pages = min(core.owed_pages, core.pages_over_limit())  # a limit's debt stays
                 self._grow_ahead()
+        with self._returning() as may_return, core.lock:
+            if may_return and core.state is PoolState.ACTIVE:
                 core.return_excess()
+        with core.lock:
             core.retry_returns()
             report = self._report()
         now = time.monotonic()
@@ -252,10 +300,13 @@ class PoolAgent:
             self._active_at = now
         self._active, core.active = self._active or core.active, False
         urgent = self._reported is None or report[1] != self._reported[1]  # sleepable: told at once
-        due = now >= self._report_at and (report != self._reported or self._active
+        refused = core.num_limit_refusals - self._refusals_told
+        due = now >= self._report_at and (report != self._reported or self._active or refused
                                           or now - self._report_at >= IDLE_HEARTBEAT_S - REPORT_MIN_S)
         if urgent or due:
-            reply = core.lease.heartbeat(used_bytes=report[0], sleepable=report[1], active=self._active)
+            reply = core.lease.heartbeat(used_bytes=report[0], sleepable=report[1], active=self._active,
+                                         num_refused=refused)  # fmt: skip
+            self._refusals_told += refused
             core.fair_bytes, core.ahead_room_bytes = (
                 value if type(value) is int and value >= 0 else None
                 for value in (reply.get("fair_bytes"), reply.get("ahead_bytes")))

@@ -40,6 +40,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from kvdaemon.client.allocator import BlockAllocator
@@ -93,6 +94,7 @@ class PoolCore:
         self.ahead_blocks = 0  # mapped ahead of need, kept until asked for (``keep_free``)
         self.refused_at = float("-inf")  # when the daemon last had no memory for a grow
         self.refused_pages = 0  # ... of how many logical pages (smaller grows still ask)
+        self.num_limit_refusals = 0  # grows refused here, past the known limit (the agent tells the daemon)
         self.ahead_refused_at = float("-inf")  # when the daemon last had nothing to spare ahead of need
         self.fair_bytes: int | None = None  # this tenant's fair share, as the daemon last told it
         self.ahead_room_bytes: int | None = None  # what a grow ahead of need could take, as last told
@@ -104,6 +106,9 @@ class PoolCore:
         self.quiesce_hook: Callable[[], None] | None = None  # returns once the engine is between steps
         self.resume_hook: Callable[[], None] | None = None  # the engine may step again
         self.reclaim_hook: Callable[[int], int] | None = None  # evicts up to N cache-only blocks
+        # Held by the agent while it gives spare pages back, yielding whether it may: an engine that
+        # counts the pool's free blocks and takes them later (vLLM) holds it across the two.
+        self.return_gate: Callable[[], AbstractContextManager[bool]] | None = None
 
     # -- geometry and state ------------------------------------------------------
 
@@ -182,6 +187,7 @@ class PoolCore:
                 )
             headroom = self.headroom_pages()
             if needed > headroom:
+                self.num_limit_refusals += 1
                 raise PoolExhausted(
                     f"pool {self.name!r} needs {needed} more page(s); its limit of "
                     f"{self.max_bytes} bytes allows {headroom}"
@@ -323,7 +329,7 @@ class PoolCore:
         among them) and owed ones; return how many went."""
         pinned = 0 in self.allocator.spare
         spare = self._spare_past_page_0()
-        if self.owed_pages and pinned and list(self.segments.pages) == [0]:
+        if pinned and list(self.segments.pages) == [0] and self.pages_over_limit():
             spare = [0]  # a limit under one logical page: even the pinned page goes, being the last
         owed = min(len(spare), self.owed_pages)
         num = min(max(len(spare) - max(0, self.spare_allowance() - pinned), owed), self.num_returnable(spare))
@@ -334,7 +340,8 @@ class PoolCore:
         return num
 
     def return_spare(self, num_pages: int) -> int:
-        """Give back up to ``num_pages`` spare pages now (a reclaim); takes the lock."""
+        """Give back up to ``num_pages`` spare pages now (a reclaim, a limit's debt); they pay
+        what the pool owes first. Takes the lock."""
         with self.lock:
             if self.cell.state is not PoolState.ACTIVE:
                 return 0
@@ -342,6 +349,7 @@ class PoolCore:
             spare = spare[: min(num_pages, self.num_returnable(spare))]
             if spare:
                 self._return(spare)
+                self.owed_pages = max(0, self.owed_pages - len(spare))
             return len(spare)
 
     def _spare_past_page_0(self) -> list[int]:

@@ -67,6 +67,7 @@ from kvdaemon.errors import Asleep, BadRequest, DaemonUnreachable, NoMemory, Ove
 from kvdaemon.integrations import hf_attention, hf_probe
 from kvdaemon.integrations.request import Request
 from kvdaemon.integrations.scheduler import Batch, Scheduler
+from kvdaemon.integrations.stall_watch import StallWatch, stall_text
 from kvdaemon.integrations.step_gate import StepGate
 
 STALL_SLEEP_S = 0.002
@@ -130,6 +131,7 @@ class Engine:
             [pool.value_cache(i) for i in range(pool.spec.num_layers)],
         )
         self._closed = False
+        self.stall_watch = StallWatch(self._stall_facts)
         hf_attention.register()
         self.manager.serve_reclaim_for(pool)
         pool.quiesce_hook, pool.resume_hook = self._quiesce, self._resume
@@ -201,7 +203,13 @@ class Engine:
     # -- stepping ----------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one iteration; the requests that finished in it. Never raises ``PoolExhausted``."""
+        """Run one iteration; the requests that finished in it. Never raises ``PoolExhausted``.
+        Steps that compute nothing while requests wait are logged after a while (``StallWatch``)."""
+        finished = self._step()
+        self.stall_watch.note(self.last_num_scheduled_tokens > 0, self.scheduler.has_work and not self._closed)
+        return finished
+
+    def _step(self) -> list[Request]:
         with self._step_lock:
             self.last_num_scheduled_tokens = 0
             if self._closed or not self.scheduler.has_work or not self._awake():
@@ -220,6 +228,21 @@ class Engine:
             finished = self.scheduler.complete(batch, next_ids, self.clock())
             self._keep_free(self.scheduler.blocks_needed_next())
             return finished
+
+    def _stall_facts(self) -> dict[str, Any]:
+        """What ``StallWatch`` says of a stall: the queues, the first waiting request's blocks,
+        and the pool's free blocks, mapped bytes, limit (and the blocks it maps) and sleep."""
+        pool, scheduler = self.pool, self.scheduler
+        first = scheduler.waiting[0].num_tokens if scheduler.waiting else 0  # its context: what admission maps
+        max_bytes, per_page = getattr(pool, "max_bytes", None), pool.blocks_per_page
+        page_bytes = pool.spec.block_bytes * pool.spec.num_segments * per_page
+        return {
+            "num_waiting": len(scheduler.waiting), "num_running": len(scheduler.running),
+            "first_blocks": -(-first // pool.block_size), "num_free_blocks": getattr(pool, "num_free_blocks", 0),
+            "mapped_bytes": getattr(pool, "mapped_bytes", None), "max_bytes": max_bytes,
+            "limit_blocks": None if max_bytes is None else max_bytes // page_bytes * per_page,
+            "sleep_mode": pool.sleep_mode, "name": getattr(pool, "name", "NAME"),
+        }  # fmt: skip
 
     def _keep_free(self, num_blocks: int) -> None:
         """Tell the pool what the next step will take (it maps that ahead, in the background),
@@ -258,12 +281,10 @@ class Engine:
             now = time.monotonic()
             stalled_since = now if stalled_since is None else stalled_since
             if now - stalled_since > stall_timeout_s:
+                why = stall_text(now - stalled_since, **self._stall_facts())
                 for request in requests:
                     self.abort(request)
-                raise PoolExhausted(
-                    f"no step could run for {stall_timeout_s:.0f} s: the pool cannot hold the next "
-                    f"request ({self.pool.num_blocks} blocks of virtual capacity)"
-                )
+                raise PoolExhausted(f"generate gave up: {why}")
             time.sleep(STALL_SLEEP_S)
         return [r.output_ids for r in requests]
 

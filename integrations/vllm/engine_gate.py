@@ -14,7 +14,11 @@ re-entrant lock between them:
   in flight completes before its memory goes;
 - a reclaim (``reclaim``, the pool's hook) takes it for as long as evicting
   cached blocks takes, or gives up after ``reclaim_timeout_s`` (then the pages
-  are owed and go back at the engine's next step).
+  are owed and go back at the engine's next step);
+- the pool's agent gives spare pages back only outside a schedule (``returning``,
+  the pool's return gate; a lock of its own, held by the engine inside the gate
+  for each schedule): vLLM counts the pool's free mapped blocks, then takes
+  them, and a page returned in between would make it take blocks that are gone.
 
 On entering, the engine catches up with what happened while it was away: a
 pool that lost its blocks (cold sleep) makes vLLM preempt its running
@@ -24,6 +28,7 @@ woken before a step that needs memory; owed pages are given back.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterator
@@ -47,6 +52,7 @@ class EngineGate:
         self.pool = pool
         self.reclaim_timeout_s = reclaim_timeout_s
         self.lock = threading.RLock()
+        self._counting = threading.RLock()  # a schedule: the pool's free blocks stay (``returning``)
         self.block_pool: Any = None  # the scheduler's PooledBlockPool, once built
         self.scheduler: Any = None  # the scheduler, once it called in
         self._num_losses = pool.num_block_losses
@@ -61,7 +67,7 @@ class EngineGate:
         After a call that ``needs_memory`` (a schedule), blocks taken ahead of
         need and not used go back to the pool.
         """
-        with self.lock:
+        with self.lock, self._counting if needs_memory else contextlib.nullcontext():
             if scheduler is not None:
                 self.scheduler = scheduler
             self._catch_up(needs_memory)
@@ -120,6 +126,18 @@ class EngineGate:
                 self._drop_lost_blocks()
         finally:
             self.lock.release()
+
+    @contextmanager
+    def returning(self) -> Iterator[bool]:
+        """The pool's return gate: yields True once no schedule runs (none starts until the
+        block ends), False after ``reclaim_timeout_s`` of one running (pages go back later)."""
+        if not self._counting.acquire(timeout=self.reclaim_timeout_s):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self._counting.release()
 
     def reclaim(self, num_blocks: int) -> int:
         """Give up to ``num_blocks`` unheld blocks back to the pool; returns how many."""

@@ -122,7 +122,7 @@ def register_tenant(config: PluginConfig, spec: KVSpec) -> VllmTenant:
         raise
     tenant = VllmTenant(config, client, pool)
     pool.quiesce_hook, pool.resume_hook = tenant.gate.quiesce, tenant.gate.resume
-    pool.reclaim_hook = tenant.gate.reclaim
+    pool.reclaim_hook, pool.return_gate = tenant.gate.reclaim, tenant.gate.returning
     set_current_tenant(tenant)
     log.info(
         "vLLM engine registered as kvdaemon tenant %s: %d blocks of %d bytes per layer, %d layers",

@@ -312,6 +312,9 @@ class Service:
             tenant.touch(self.clock())
         if args.has("sleepable"):
             tenant.sleepable = args.bool("sleepable")
+        num_refused = args.int("refused_grows", 0, MAX_INT, default=0)
+        if num_refused:  # its pool refused these itself, knowing its limit: no round trip came
+            tenant.note_refused_by_pool(num_refused)
         page_bytes, now = self.pages.page_size_bytes, self.clock()
         return {"state": tenant.state.value, "max_bytes": tenant.max_bytes, "free_bytes": self.pages.free_bytes,
                 "fair_bytes": self.shares.fair_pages(tenant) * page_bytes,

@@ -199,6 +199,13 @@ class Tenant:
             why = f"{format_bytes(free_bytes)} free in the pool"
         self.last_refusal = f"a grow of {wanted} refused ({code}: {why})"
 
+    def note_refused_by_pool(self, num_grows: int) -> None:
+        """``num_grows`` grows its pool refused itself, past the limit it was told (a heartbeat
+        says so): counted with the daemon's own refusals."""
+        self.num_refused_grows += num_grows
+        self.last_refusal = (f"{num_grows} grow(s) refused by its pool, past its limit "
+                             f"({format_bytes(self.mapped_bytes)} mapped, limit {format_bytes(self.max_bytes)})")
+
     def current_limits(self) -> Limits:
         return Limits(self.max_bytes, self.min_bytes, self.weight)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted, pool_agent
+from kvdaemon.client.block_manager import BlockManager
 from kvdaemon.errors import BadRequest
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
@@ -224,6 +225,27 @@ def test_a_lowered_limit_takes_busy_pages_as_their_blocks_are_freed(kvd: Running
     pool.agent.nudge()
     wait_until(lambda: not pool.core.has_excess())
     assert tenant_row(client, "a")["mapped_bytes"] == 2 * LOGICAL_PAGE_BYTES
+    kvd.check_invariants()
+    pool.close()
+
+
+@pytest.mark.parametrize("reclaim_answered", [True, False])
+def test_an_idle_engines_cache_pays_a_lowered_limit(kvd: RunningDaemon, reclaim_answered: bool) -> None:
+    client, pool = register(kvd, num_spare_pages=8, num_prefetch_pages=0)
+    if not reclaim_answered:  # the limit's own path alone: the agent sees it is over its limit
+        pool.agent._reclaim = lambda wanted, urgent: None  # type: ignore[method-assign]
+    manager = BlockManager(pool, enable_prefix_cache=True)
+    manager.serve_reclaim_for(pool)
+    size = SPEC.block_size
+    for seq in range(3):  # 3 x 400 full blocks over three pages, then all cached, none in use
+        manager.add_sequence(seq, [seq + 1] * (400 * size) + [0])
+    for seq in range(3):
+        manager.free_sequence(seq)
+    assert tenant_row(client, "a")["mapped_bytes"] == 3 * LOGICAL_PAGE_BYTES
+    assert manager.cache.num_evictable > 2 * BLOCKS_PER_PAGE
+    client.set_limit("a", max_bytes=LOGICAL_PAGE_BYTES)
+    wait_mapped(client, "a", LOGICAL_PAGE_BYTES)  # what the cache held went: an idle engine frees nothing
+    assert pool.core.owed_pages == 0 and pool.core.pages_over_limit() == 0
     kvd.check_invariants()
     pool.close()
 

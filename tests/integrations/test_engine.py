@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from kvdaemon.client import KVClient, KVPool, PoolExhausted  # noqa: E402
 from kvdaemon.client.local_pool import LocalPool  # noqa: E402
 from kvdaemon.errors import BadRequest  # noqa: E402
-from kvdaemon.integrations import hf_attention  # noqa: E402
+from kvdaemon.integrations import hf_attention, stall_watch  # noqa: E402
 from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
 
 from tests.conftest import RunningDaemon, short_dir, start_daemon, wait_until  # noqa: E402
@@ -175,10 +175,36 @@ def test_a_request_that_can_never_fit_stalls_then_fails_cleanly(client: KVClient
     logical_page = kv_spec_for(model, BLOCK).num_segments * PAGE_BYTES
     pool = daemon_pool(client, model, max_bytes=logical_page, num_prefetch_pages=0)
     engine = Engine(model, pool, max_model_len=1024)  # past the model's 512 positions: RoPE runs on
-    with pytest.raises(PoolExhausted, match="no step could run"):
+    with pytest.raises(PoolExhausted) as info:
         engine.generate([random_prompts([600])[0]], 4, stall_timeout_s=0.3)
+    assert info.value.message.startswith("generate gave up: nothing computed for 0 s: 1 request(s) waiting, 0 running; "
+                                         "the first waiting needs 150 block(s)")
+    assert info.value.message.endswith(  # the limit is named as the cause, with the fix
+        f"limit 256.0 KiB; the limit holds at most 128 block(s), so it waits until the limit is raised "
+        f"(kvdaemon limit {pool.name} --max SIZE)"
+    )
     assert not engine.has_unfinished and engine.manager.num_held_blocks == 0  # cached blocks may stay
     assert engine.generate(random_prompts([10]), 3) == reference_outputs(model, random_prompts([10]), 3)
+    engine.close()
+    pool.close()
+
+
+def test_a_stall_is_logged_with_its_cause_and_counted_by_the_daemon(
+    client: KVClient, model: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    logical_page = kv_spec_for(model, BLOCK).num_segments * PAGE_BYTES
+    pool = daemon_pool(client, model, max_bytes=logical_page, num_prefetch_pages=0)
+    engine = Engine(model, pool, max_model_len=1024)
+    monkeypatch.setattr(stall_watch, "WARN_S", 0.05)
+    request = engine.add_request(random_prompts([600])[0], 4)
+    with caplog.at_level("WARNING", logger="kvdaemon.engine"):
+        wait_until(lambda: engine.step() == [] and "the limit holds at most 128 block(s)" in caplog.text, 5,
+                   "the stall was not logged")  # fmt: skip
+        row = lambda: next(t for t in client.status()["tenants"] if t["name"] == pool.name)  # noqa: E731
+        wait_until(lambda: row()["refused_grows"] > 0, 5, "the pool's own refusals never reached the daemon")
+        engine.abort(request)
+        engine.generate(random_prompts([10]), 3)  # steps compute again: said once
+    assert caplog.text.count("steps compute again after") == 1
     engine.close()
     pool.close()
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvdaemon.client import KVClient, KVPool, KVSpec
+from kvdaemon.errors import PoolExhausted
 
 from tests.conftest import RunningDaemon, wait_until
 from tests.integrations.vllm.conftest import PAGE_BYTES, VLLM_MISSING
@@ -101,6 +102,40 @@ def test_a_running_request_is_preempted_when_the_daemon_refuses(
     assert mapped_pages(engine) <= 4
     engine.check()
     hogged.close()
+    client.close()
+
+
+def test_free_blocks_counted_by_a_schedule_stay_until_it_takes_them(
+    surface: Any, kvd: RunningDaemon, model_dir: Path, engines: list[Engine], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine = start(engines, surface, kvd, model_dir, "a", prefix_caching=False, max_batched_tokens=2048)
+    engine.add("warm", tokens(1, 150), max_tokens=1)  # 10 blocks, freed without KV: mapped free in the pool
+    engine.run()
+    pool, block_pool = engine.tenant.pool, engine.block_pool
+    num_free = pool.num_free_blocks
+    assert num_free >= 19
+    client = kvd.client()
+    neighbour = client.register("hog", HOG_SPEC, num_spare_pages=0, num_prefetch_pages=0)
+    neighbour.grow_wait_s = 0.3  # its grow waits that long for the pages the daemon asks back
+    seen: list[int] = []
+    original = type(block_pool).get_new_blocks
+
+    def get_new_blocks(self: Any, num_blocks: int) -> Any:  # vLLM has just counted the free blocks
+        free_pages = client.status()["free_bytes"] // LOGICAL_PAGE_BYTES
+        with pytest.raises(PoolExhausted):  # the daemon asks "a" for its spare pages meanwhile
+            neighbour.alloc(int(free_pages) + 1)  # one block a logical page
+        time.sleep(0.3)  # the agent's return waits for the schedule to end
+        seen.append(pool.num_free_blocks)
+        return original(self, num_blocks)
+
+    monkeypatch.setattr(type(block_pool), "get_new_blocks", get_new_blocks)
+    engine.add("second", tokens(2, 300), max_tokens=1)  # 19 blocks, covered by the mapped free ones
+    (scheduled,) = engine.step().scheduled_new_reqs  # vLLM would raise ValueError: blocks gone
+    assert seen == [num_free] and len(scheduled.block_ids[0]) == 19
+    monkeypatch.undo()
+    engine.run()
+    engine.check()
+    neighbour.close()
     client.close()
 
 

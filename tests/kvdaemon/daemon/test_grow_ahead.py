@@ -77,3 +77,16 @@ def test_no_grow_ahead_while_a_grow_is_parked(h: Harness) -> None:
     code = h.error("grow", **h.auth("b", tok["b"], logical_pages=[0], ahead=True))
     assert code == "NO_MEMORY", "the pages coming back are the parked grow's"
     assert h.ok("grow", **h.auth("b", tok["b"], logical_pages=[0]))["pages"], "real need is still served"
+
+
+def test_grows_a_pool_refused_itself_are_counted_from_its_heartbeat(h: Harness) -> None:
+    tok = h.register("a", max_bytes=2 * NUM_SEGMENTS * h.service.pages.page_size_bytes)["token"]
+    h.ok("heartbeat", **h.auth("a", tok))
+    assert row(h, "a")["refused_grows"] == 0
+    h.ok("heartbeat", **h.auth("a", tok, refused_grows=3))
+    tenant = h.service.tenants.named("a")
+    assert row(h, "a")["refused_grows"] == 3
+    assert tenant.last_refusal == "3 grow(s) refused by its pool, past its limit (0 B mapped, limit 8.00 MiB)"
+    for bad in (-1, "3", 1.5):
+        assert h.error("heartbeat", **h.auth("a", tok, refused_grows=bad)) == "BAD_REQUEST"
+    assert row(h, "a")["refused_grows"] == 3
