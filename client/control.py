@@ -136,6 +136,12 @@ class ControlChannel:
                 self._outstanding.discard(request_id)
             return reply
 
+    def abandon(self, request_id: int) -> None:
+        """Forget outstanding ``request_id``: its reply, had or to come, is dropped."""
+        with self._lock:
+            self._outstanding.discard(request_id)
+            self._late.pop(request_id, None)
+
     def close(self) -> None:
         self.reset()
 

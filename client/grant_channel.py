@@ -100,6 +100,15 @@ class GrantChannel:
                 self._outstanding.discard(request_id)
             return found
 
+    def abandon(self, request_id: int) -> None:
+        """Forget outstanding ``request_id``: its reply and grant frames, had or to come, are
+        dropped (their fds closed)."""
+        with self._lock:
+            self._outstanding.discard(request_id)
+            _, frames = self._late.pop(request_id, (None, []))
+            for _, fds in frames:
+                close_fds(fds)
+
     def close(self) -> None:
         with self._lock:
             for _, frames in self._late.values():

@@ -304,6 +304,15 @@ class Lease:
                 log.info("lease %s: a late grow came back refused or unusable: %s", self.name, exc)
         return grants
 
+    def abandon_outstanding_grows(self) -> int:
+        """Drop every outstanding grow: what its late reply grants is never mapped nor given
+        back (the daemon took all of this tenant's pages back: a sleep). Returns how many."""
+        for request_id in self.outstanding_grows:
+            (self.grants or self.control).abandon(request_id)
+        num = len(self.outstanding_grows)
+        self.outstanding_grows.clear()
+        return num
+
     def shrink(self, logical_pages: list[int]) -> int:
         """Give logical pages back (already unmapped here); return how many went."""
         reply, _ = self._grant_call("shrink", self._args(logical_pages=list(logical_pages)), self.timeout_s)

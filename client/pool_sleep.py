@@ -13,13 +13,14 @@ Sleep (``sleep_pool``), in the order that keeps both sides agreeing:
    is ``SLEEP_PENDING``, and the daemon is told ``sleep_ready``. The pool waits
    for the daemon's decision as long as the daemon lives, however long a warm
    save takes: a timeout is not a decision;
-4. accepted: the handles are released; a warm pool keeps its allocator aside
-   (block ids stay valid), a cold one drops it. Refused (the daemon cancelled the
+4. accepted: the handles are released, and grows still waiting for their
+   reply are dropped (the daemon took what they granted back with the rest); a
+   warm pool keeps its allocator aside (block ids stay valid), a cold one drops it. Refused (the daemon cancelled the
    sleep) or the daemon died: the same pages are mapped back, nothing lost.
 
 Wake (``wake_pool``): the daemon's grant is imported and mapped at the same
-logical pages (same addresses); a warm pool gets its allocator back, a cold one
-a fresh one.
+logical pages (same addresses); a warm pool gets its allocator back (with any
+page granted late before the sleep as a spare page), a cold one a fresh one.
 
 Cost: one unmap and one map per page and segment, one round trip each way.
 """
@@ -73,6 +74,8 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
             return
         for lp_pages in pages.values():
             core.segments.release(lp_pages)
+        if core.lease.abandon_outstanding_grows():  # granted before the sleep: released with the rest
+            log.info("pool %s: grows outstanding at its sleep are dropped", core.name)
         core.owed_pages = 0  # every page went back
         if notice.mode == "warm":
             core.sleeping_allocator = allocator
@@ -95,6 +98,8 @@ def wake_pool(core: PoolCore, notice: WakeNotice) -> None:
         # (`kvdaemon sleep --cold`), and then the blocks of the old allocator are gone.
         if notice.mode == "warm" and core.sleeping_allocator is not None:
             core.allocator = core.sleeping_allocator
+            for lp in (lp for lp in granted if not core.allocator.is_mapped(lp)):  # granted late before the sleep
+                core.allocator.add_page(lp)  # saved with the rest: mapped again, spare
         else:
             if core.sleeping_allocator is not None:
                 core.num_block_losses += 1

@@ -214,6 +214,56 @@ def test_a_late_grant_is_adopted_and_alloc_raises_only_exhaustion_or_unreachable
         client.close()
 
 
+@pytest.mark.parametrize("mode", ["warm", "cold"])
+def test_a_grow_outstanding_at_a_sleep_is_never_mapped_after_it(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    with running_daemon("64MiB") as kvd:
+        client = KVClient(kvd.dir, timeout_s=0.5)
+        pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=0)
+        pool.quiesce_hook, pool.resume_hook = (lambda: None), (lambda: None)
+        blocks = pool.alloc(BLOCKS_PER_PAGE)
+        pattern(pool, blocks, seed=3)
+        grants = kvd.daemon.service.grants
+        real_grow, stalls = grants.grow, [1.5]
+
+        def stalled_grow(*args: Any) -> Any:
+            if stalls:
+                time.sleep(stalls.pop())  # the daemon stalls mid-grow (as under SIGSTOP)
+            return real_grow(*args)
+
+        monkeypatch.setattr(grants, "grow", stalled_grow)
+        admin = kvd.client()
+        slept: list[dict[str, Any]] = []
+        sleeper = threading.Thread(target=lambda: slept.append(admin.sleep("a", mode=mode)))
+        with pytest.raises(NoReply):  # the sleep is asked meanwhile: the daemon answers it after the grow
+            threading.Timer(0.2, sleeper.start).start()
+            pool.alloc(3 * BLOCKS_PER_PAGE)
+        sleeper.join(10)
+        assert slept and slept[0]["state"] == f"sleeping-{mode}"
+        admin.wake("a")
+        time.sleep(0.3)
+        pool.agent.nudge()  # a late reply, had it been kept, would be mapped now
+        wait_until(lambda: not pool.lease.outstanding_grows, 5, "the outstanding grow was kept")
+        with pool.core.lock:
+            assert row(admin, "a")["mapped_bytes"] == pool.mapped_bytes  # one view of what it holds
+        if mode == "warm":
+            assert intact(pool, blocks, seed=3)
+        other = admin.register("b", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+        with pytest.raises(PoolExhausted):  # b takes every free page, writing its own bytes there
+            while True:
+                pattern(other, other.alloc(BLOCKS_PER_PAGE), seed=9)
+        more = pool.alloc(BLOCKS_PER_PAGE) if pool.num_free_blocks >= BLOCKS_PER_PAGE else []
+        with pool.core.lock:
+            assert row(admin, "a")["mapped_bytes"] == pool.mapped_bytes
+        if mode == "warm":
+            assert intact(pool, blocks, seed=3)  # nothing of b's came through a page a holds
+        pool.free(more)
+        kvd.check_invariants()
+        other.close()
+        pool.close()
+        admin.close()
+        client.close()
+
+
 # -- items 4 and 5: frees during an outage, reconciled after the restart ----------------
 
 
