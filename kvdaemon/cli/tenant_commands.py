@@ -228,26 +228,31 @@ def sleep(name: str, cold: bool, dir_flag: Path | None, config_file: Path | None
 def wake(name: str, dir_flag: Path | None, config_file: Path | None, as_json: bool) -> None:
     """Wake a sleeping tenant: fresh pages at the same addresses, KV restored if warm.
 
-    A tenant already awake is left as it is (exit 0, "already active").
+    A tenant already awake is left as it is (exit 0, "already active"); one whose
+    sleep waits for its engine to quiesce has that sleep cancelled (the `kvdaemon
+    sleep` waiting for it fails with CONFLICT) and stays awake.
     """
     with reach.talking(daemon_dir(dir_flag, config_file)) as client:
         row = _tenant(client, name)
         woke: dict[str, Any] | None = None
-        if row["state"] != "active":
+        if row["state"] != "active" or row.get("sleep_pending"):
             try:
                 woke = client.wake(name, timeout_s=SLEEP_TIMEOUT_S)
             except BadRequest:  # woken meanwhile (auto-wake)? then there is nothing to do
                 row = _tenant(client, name)
                 if row["state"] != "active":
                     raise
-    if woke is None:
-        result = {"name": name, "state": row["state"], "changed": False,
-                  "mapped_bytes": int(row["mapped_bytes"])}  # fmt: skip
-        emit(as_json, result, f"{name}: already {row['state']}; nothing to do")
+    if woke is None or woke.get("already"):
+        now = row if woke is None else woke
+        result = {"name": name, "state": now["state"], "changed": False,
+                  "mapped_bytes": int(now["mapped_bytes"]), "cancelled_sleep": False}  # fmt: skip
+        emit(as_json, result, f"{name}: already {now['state']}; nothing to do")
         return
+    cancelled = bool(woke.get("cancelled_sleep"))
     result = {"name": name, "state": woke["state"], "changed": True,
-              "mapped_bytes": int(woke["mapped_bytes"])}  # fmt: skip
-    emit(as_json, result, f"{name}: {woke['state']}, {format_bytes(result['mapped_bytes'])} mapped")
+              "mapped_bytes": int(woke["mapped_bytes"]), "cancelled_sleep": cancelled}  # fmt: skip
+    done = "its pending sleep cancelled, " if cancelled else ""
+    emit(as_json, result, f"{name}: {woke['state']}, {done}{format_bytes(result['mapped_bytes'])} mapped")
 
 
 @click.command(

@@ -150,10 +150,15 @@ class Sleeper:
 
     def wake(self, tenant: Tenant, now: float, why: str = "woken by an admin") -> dict[str, Any]:
         """Give a sleeping tenant pages again (bytes restored when warm) and tell it; ``why``
-        says who asked, for the log."""
+        says who asked, for the log. An active tenant's pending sleep is cancelled (the later
+        word wins; ``cancelled_sleep`` in the result); one with none: ``already``."""
         mode = tenant.state.mode
         if mode is None:
-            return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes, "already": True}
+            pending = tenant.pending_sleep
+            if pending is None:
+                return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes, "already": True}
+            self._cancel(tenant, pending, f"{why} before it slept")  # the later word: nothing was freed
+            return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes, "cancelled_sleep": True}
         grant: dict[str, Any] = {"grant_id": 0, "pages": []}
         if tenant.warm is not None:
             grant = self.grants.grant(tenant, tenant.warm.logical_pages, now, overwrite=True)
@@ -175,14 +180,17 @@ class Sleeper:
             pending = tenant.pending_sleep
             if pending is None or now < pending.deadline:
                 continue
-            tenant.pending_sleep = None
-            log.warning("tenant %s did not quiesce within %g s; its sleep (%s) is cancelled, "
-                        "nothing freed", tenant.name, self.timeout_s, pending.why)  # fmt: skip
-            if pending.waiter is not None:
-                pending.waiter.fail(
-                    Conflict(f"tenant {tenant.name!r} did not quiesce within {self.timeout_s:g} s")
-                )
-            notify(self.leases, tenant.tenant_id, SleepCancelledNotice(pending.sleep_id))
+            self._cancel(tenant, pending, f"did not quiesce within {self.timeout_s:g} s")
+
+    def _cancel(self, tenant: Tenant, pending: PendingSleep, why: str) -> None:
+        """Cancel ``tenant``'s pending sleep (nothing was freed): its caller is told ``why``
+        (``CONFLICT``), the tenant too; a ``sleep_ready`` on its way is refused (``finish``),
+        and the tenant maps its pages back."""
+        tenant.pending_sleep = None
+        log.warning("tenant %s: its sleep (%s) is cancelled, nothing freed: %s", tenant.name, pending.why, why)
+        if pending.waiter is not None:
+            pending.waiter.fail(Conflict(f"tenant {tenant.name!r}: sleep cancelled, {why}"))
+        notify(self.leases, tenant.tenant_id, SleepCancelledNotice(pending.sleep_id))
 
     def sleep_idle(self, now: float, idle_s: float, mode: str) -> None:
         """The idle policy: sleep active, quiescable tenants whose blocks have not changed for ``idle_s``."""

@@ -236,6 +236,7 @@ class Tenant:
             "sleeps": self.num_sleeps,
             "over_limit_bytes": max(0, self.mapped_bytes - self.max_bytes),
             "sleepable": self.sleepable,
+            "sleep_pending": None if self.pending_sleep is None else self.pending_sleep.mode,
             "attached": self.leased,
         }
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import pytest
 
 from kvdaemon.client import KVSpec
 from tests.kvdaemon.cli import test_cli_lifecycle as lifecycle_tests
+from tests.conftest import wait_until
 from tests.kvdaemon.cli.test_cli_lifecycle import HOST_FLAGS, Cli
 
 MiB = 1024 * 1024
@@ -95,7 +97,7 @@ def test_tenant_commands_json_and_idempotence(cli: Cli) -> None:
 
         woke = json_of(cli.run("wake", "llama-a", "--json"))
         assert woke == {"name": "llama-a", "state": "active", "changed": True,
-                        "mapped_bytes": 4 * MiB}  # fmt: skip
+                        "mapped_bytes": 4 * MiB, "cancelled_sleep": False}  # fmt: skip
         assert pool.wait_state(lambda state: state.value == "active", 5)
         awake = json_of(cli.run("wake", "llama-a", "--json"))
         assert awake == {**woke, "changed": False}
@@ -104,6 +106,34 @@ def test_tenant_commands_json_and_idempotence(cli: Cli) -> None:
     finally:
         pool.close()
         other.close()
+        client.close()
+
+
+def test_a_wake_cancels_a_sleep_still_waiting_for_its_engine(cli: Cli) -> None:
+    cli.started_pid()
+    client = cli.client()
+    pool = client.register("llama-a", SPEC, num_prefetch_pages=0)
+    stepping = threading.Event()
+    pool.quiesce_hook = lambda: stepping.wait(10)  # its engine is mid-step until told
+    try:
+        pool.alloc(4)
+        sleep = subprocess.Popen([sys.executable, "-m", "kvdaemon", "sleep", "llama-a", "--json", "--dir", str(cli.dir)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        wait_until(lambda: json_of(cli.run("status", "llama-a", "--json"))["tenants"][0]["sleep_pending"] == "warm",
+                   10, "the sleep was never pending")  # fmt: skip
+        woke = json_of(cli.run("wake", "llama-a", "--json"))
+        assert woke == {"name": "llama-a", "state": "active", "changed": True, "mapped_bytes": 4 * MiB,
+                        "cancelled_sleep": True}  # fmt: skip
+        out, _ = sleep.communicate(timeout=30)
+        assert sleep.returncode == 3 and json.loads(out)["error"]["code"] == "CONFLICT"
+        stepping.set()  # the step ends: the pool, told of the cancel, keeps its pages
+        wait_until(lambda: pool.state.value == "active", 5, "the pool did not stay awake")
+        row = json_of(cli.run("status", "llama-a", "--json"))["tenants"][0]
+        assert (row["state"], row["mapped_bytes"], row["sleep_pending"]) == ("active", 4 * MiB, None)
+        assert pool.mapped_bytes == 4 * MiB
+    finally:
+        stepping.set()
+        pool.close()
         client.close()
 
 

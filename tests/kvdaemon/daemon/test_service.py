@@ -374,6 +374,21 @@ def test_a_sleep_that_times_out_is_cancelled_and_frees_nothing(h: Harness) -> No
     assert (row["state"], row["mapped_bytes"]) == ("active", 2 * PAGE_BYTES)
 
 
+def test_a_wake_cancels_a_pending_sleep_and_frees_nothing(h: Harness) -> None:
+    reg = h.register("a")
+    h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0]))
+    sleep_id = start_sleep(h, "a", "warm")
+    assert h.ok("status")["tenants"][0]["sleep_pending"] == "warm"
+    assert h.ok("wake", name="a") == {"state": "active", "mapped_bytes": 2 * PAGE_BYTES, "cancelled_sleep": True}
+    failed = deferred(h)["error"]
+    assert failed["code"] == "CONFLICT" and "sleep cancelled, woken by an admin before it slept" in failed["message"]
+    assert h.leases.notices[-1][1] == {"notice": "sleep_cancelled", "args": {"sleep_id": sleep_id}}
+    assert h.error("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id)) == "CONFLICT"  # maps back
+    row = h.ok("status")["tenants"][0]
+    assert (row["state"], row["mapped_bytes"], row["sleep_pending"]) == ("active", 2 * PAGE_BYTES, None)
+    assert h.ok("wake", name="a")["already"] is True
+
+
 def test_a_tenant_leaving_mid_sleep_answers_the_caller(h: Harness) -> None:
     reg = h.register("a")
     start_sleep(h, "a")

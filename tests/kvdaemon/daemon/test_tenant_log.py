@@ -189,8 +189,8 @@ def test_a_sleep_refused_or_not_quiesced_is_a_warning(h: Harness, caplog: pytest
     ))]  # fmt: skip
     start_sleep(h, "a", "cold")
     h.tick(10.1)
-    assert ("WARNING", "tenant a did not quiesce within 10 s; its sleep (asked by an admin) is "
-                       "cancelled, nothing freed") in lines(caplog)  # fmt: skip
+    assert ("WARNING", "tenant a: its sleep (asked by an admin) is cancelled, nothing freed: "
+                       "did not quiesce within 10 s") in lines(caplog)  # fmt: skip
 
 
 def test_leaving_says_whether_it_unregistered_or_its_lease_ended(
