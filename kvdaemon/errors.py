@@ -10,9 +10,11 @@ from __future__ import annotations
 
 
 class KVDaemonError(Exception):
-    """Root of every kvdaemon error. ``code`` is the stable wire code."""
+    """Root of every kvdaemon error. ``code`` is the stable wire code; ``from_daemon``: the
+    daemon's own answer (rebuilt by ``from_code``), not a failure to reach it."""
 
     code: str = "INTERNAL"
+    from_daemon: bool = False
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -195,6 +197,7 @@ def from_code(code: str, message: str) -> KVDaemonError:
     cls = _BY_CODE.get(code, KVDaemonError)
     error = cls.__new__(cls)
     KVDaemonError.__init__(error, message)
+    error.from_daemon = True
     if isinstance(error, BackendError):
         error.driver_code = None
     return error

@@ -58,13 +58,16 @@ def connect(dir: Path, timeout_s: float = CONTROL_TIMEOUT_S) -> KVClient:  # noq
 @contextmanager
 def talking(dir: Path, timeout_s: float = CONTROL_TIMEOUT_S) -> Iterator[KVClient]:  # noqa: A002
     """``connect`` for the block's length; a ``DaemonUnreachable`` raised inside while the
-    daemon still holds its lock becomes ``NotAnswering``. The client is closed on exit."""
+    daemon still holds its lock becomes ``NotAnswering``, unless the daemon answered it
+    itself (a stopping daemon telling a waiting caller). The client is closed on exit."""
     client = connect(dir, timeout_s)
     try:
         yield client
     except NotAnswering:
         raise
     except DaemonUnreachable as err:
+        if err.from_daemon:
+            raise
         pid = running_pid(DaemonPaths(dir))
         if pid is None:
             raise not_running(dir) from err

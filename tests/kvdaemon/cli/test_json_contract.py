@@ -137,6 +137,29 @@ def test_a_wake_cancels_a_sleep_still_waiting_for_its_engine(cli: Cli) -> None:
         client.close()
 
 
+def test_a_sleep_waiting_when_the_daemon_stops_is_told_so(cli: Cli) -> None:
+    cli.started_pid()
+    client = cli.client()
+    pool = client.register("llama-a", SPEC, num_prefetch_pages=0)
+    stepping = threading.Event()
+    pool.quiesce_hook = lambda: stepping.wait(10)
+    try:
+        pool.alloc(4)
+        sleep = subprocess.Popen([sys.executable, "-m", "kvdaemon", "sleep", "llama-a", "--json", "--dir", str(cli.dir)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        wait_until(lambda: json_of(cli.run("status", "llama-a", "--json"))["tenants"][0]["sleep_pending"] == "warm",
+                   10, "the sleep was never pending")  # fmt: skip
+        assert cli.run("stop").returncode == 0
+        out, _ = sleep.communicate(timeout=30)
+        assert sleep.returncode == 1, out  # the daemon's own word, not "running but not answering" (4)
+        assert json.loads(out)["error"] == {"code": "UNREACHABLE",
+                                            "message": "the daemon stopped before the tenant slept"}  # fmt: skip
+    finally:
+        stepping.set()
+        pool.close()
+        client.close()
+
+
 def test_top_json_is_one_status_object(cli: Cli) -> None:
     cli.started_pid()
     frame = json_of(cli.run("top", "--json"))
