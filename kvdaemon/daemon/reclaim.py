@@ -1,5 +1,9 @@
 """Reclaim: serving a grow the free pages cannot cover, with other tenants' pages.
 
+A warm wake whose pages are not free is served the same way (parked with its
+``attempt``, the wake itself): memory an idle tenant holds in its cache goes
+to the sleeper, as it would to a grow.
+
 When a grow finds too few free pages for its ``min_pages``, and other tenants
 hold enough above their ``min_bytes``, the grow is parked (its reply waits) and
 the daemon:
@@ -61,6 +65,7 @@ free and a tenant waiting.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,13 +80,14 @@ from kvdaemon.errors import KVDaemonError, NoMemory, UnknownTenant
 from kvdaemon.wire.messages import FreeNotice, ReclaimNotice
 
 log = logging.getLogger("kvdaemon.reclaim")
+Attempt = Callable[[Tenant, float], dict[str, Any]]
 ASK_AHEAD_S = 0.25  # at most one such ask per this interval
 REASK_S = 0.5  # a parked grow's victims are asked again this often (under a pool's OWED_S)
 
 
 @dataclass
 class ParkedGrow:
-    """A grow waiting for pages to come back."""
+    """A grow (or a warm wake: ``attempt``) waiting for pages to come back."""
 
     tenant_id: int
     candidates: list[int]
@@ -91,6 +97,7 @@ class ParkedGrow:
     wait_s: float
     stage: int = 0  # 0: the first victims asked; 1: all asked; 2: a victim slept
     asked_at: float = 0.0  # when its victims were last asked
+    attempt: Attempt | None = None  # tried instead of a grow of ``candidates``: ``NoMemory`` while short
 
 
 class Reclaimer:
@@ -116,11 +123,12 @@ class Reclaimer:
 
     def park(
         self, tenant: Tenant, candidates: list[int], min_pages: int, waiter: PendingReply,
-        wait_s: float, now: float,
+        wait_s: float, now: float, attempt: Attempt | None = None,
     ) -> bool:
         """Park a grow short of pages if reclaim can serve it; False when it cannot (or ``wait_s == 0``).
 
-        With ``wait_s == 0`` the victims are still asked, but nothing is parked.
+        With ``wait_s == 0`` the victims are still asked, but nothing is parked. ``attempt``
+        (a warm wake of ``min_pages`` logical pages) is retried instead of a grow.
         """
         tenant.starved_at, tenant.starved_pages = now, min_pages * tenant.spec.num_segments
         short = self._short(tenant, min_pages)
@@ -130,7 +138,9 @@ class Reclaimer:
         self._ask(victims, short, stop_when_covered=True)
         if wait_s <= 0:
             return False
-        self.parked.append(ParkedGrow(tenant.tenant_id, candidates, min_pages, waiter, now, wait_s, asked_at=now))
+        self.parked.append(
+            ParkedGrow(tenant.tenant_id, candidates, min_pages, waiter, now, wait_s, asked_at=now, attempt=attempt)
+        )
         return True
 
     def _short(self, tenant: Tenant, min_pages: int) -> int:
@@ -210,7 +220,10 @@ class Reclaimer:
         try:
             if tenant is None:
                 raise UnknownTenant("the tenant went away while its grow waited")
-            result = self.grants.grow(tenant, parked.candidates, parked.min_pages, now)
+            if parked.attempt is not None:
+                result = parked.attempt(tenant, now)
+            else:
+                result = self.grants.grow(tenant, parked.candidates, parked.min_pages, now)
         except NoMemory as exc:
             assert tenant is not None
             if now - parked.parked_at >= parked.wait_s:

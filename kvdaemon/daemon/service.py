@@ -349,10 +349,21 @@ class Service:
         tenant = self._authenticated(args)
         return self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"), self.clock())
 
-    def op_wake(self, args: Args, _call: Call) -> dict[str, Any]:
+    def op_wake(self, args: Args, call: Call) -> dict[str, Any] | PendingReply:
+        """Wake a tenant; a warm one whose pages are not free waits for other tenants to give
+        pages back, as a grow does (``reclaim``), up to the reclaim's wait: else ``NO_MEMORY``."""
         by_owner = args.has("token")
         why = "woken by the tenant itself (auto-wake or its own call)" if by_owner else "woken by an admin"
-        return self.sleeper.wake(self._by_name(args), self.clock(), why)
+        tenant, now = self._by_name(args), self.clock()
+        try:
+            return self.sleeper.wake(tenant, now, why)
+        except NoMemory:
+            waiter = call.defer()
+            need = self.sleeper.wake_pages(tenant)
+            if self.reclaimer.park(tenant, [], need, waiter, self.reclaimer.wait_s, now,
+                                   attempt=lambda woken, at: self.sleeper.wake(woken, at, why)):  # fmt: skip
+                return waiter
+            raise
 
     def op_shutdown(self, _args: Args, _call: Call) -> dict[str, Any]:
         self.shutdown_requested = True

@@ -174,6 +174,10 @@ class Sleeper:
                  format_bytes(tenant.mapped_bytes))  # fmt: skip
         return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes}
 
+    def wake_pages(self, tenant: Tenant) -> int:
+        """Logical pages a wake of ``tenant`` maps (its warm copy's; 0 for a cold sleeper)."""
+        return 0 if tenant.warm is None else len(tenant.warm.logical_pages)
+
     def expire(self, now: float) -> None:
         """Cancel sleeps whose tenant did not quiesce in time; nothing was freed."""
         for tenant in self.tenants:

@@ -11,7 +11,7 @@ import pytest
 from kvdaemon.wire.protocol import decode, request
 
 from tests.conftest import PAGE_BYTES
-from tests.kvdaemon.daemon.test_service import NUM_PAGES, Harness
+from tests.kvdaemon.daemon.test_service import NUM_PAGES, Harness, deferred, start_sleep
 
 
 @pytest.fixture
@@ -186,3 +186,38 @@ def test_a_bug_in_one_request_is_internal_and_the_daemon_goes_on(
     monkeypatch.undo()
     assert h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0]))["pages"]
     assert h.ok("status")["free_bytes"] == (NUM_PAGES - 2) * PAGE_BYTES
+
+
+def test_a_warm_wake_short_of_pages_is_served_by_reclaim_like_a_grow(h: Harness) -> None:
+    a = h.register("a")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=[0, 1, 2, 3, 4]))  # 10 of 16 pages
+    sleep_id = start_sleep(h, "a", "warm")
+    h.ok("sleep_ready", **h.auth("a", a["token"], sleep_id=sleep_id))
+    deferred(h)
+    b = h.register("b")
+    h.ok("grow", **h.auth("b", b["token"], logical_pages=list(range(6))))  # 12 pages: 4 free, a needs 10
+    assert h.service.dispatch(b"admin", request(9, "wake", {"name": "a"})) is None  # parked, not refused
+    assert notices_to(h, b, "reclaim") == [{"num_pages": 3, "urgent": True}]  # just what is missing
+    assert h.ok("status")["tenants"][0]["state"] == "sleeping-warm"
+    h.ok("shrink", **h.auth("b", b["token"], logical_pages=[3, 4, 5]))  # b gives its cache back
+    h.tick(0.01)
+    reply = deferred(h)
+    assert reply["id"] == 9 and reply["result"] == {"state": "active", "mapped_bytes": 10 * PAGE_BYTES}
+    assert [n["mode"] for n in notices_to(h, a, "wake")] == ["warm"]
+    h.ok("shrink", **h.auth("a", a["token"], logical_pages=[0, 1, 2, 3, 4]))
+    sleep_id = start_sleep(h, "a", "warm")
+    h.ok("sleep_ready", **h.auth("a", a["token"], sleep_id=sleep_id))
+    deferred(h)
+
+
+def test_a_warm_wake_no_reclaim_can_serve_is_refused_at_once(h: Harness) -> None:
+    a = h.register("a")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=[0, 1, 2, 3, 4]))
+    sleep_id = start_sleep(h, "a", "warm")
+    h.ok("sleep_ready", **h.auth("a", a["token"], sleep_id=sleep_id))
+    deferred(h)
+    b = h.register("b", min_bytes=12 * PAGE_BYTES)  # what b holds is guaranteed: nothing to reclaim
+    h.ok("grow", **h.auth("b", b["token"], logical_pages=list(range(6))))
+    assert h.error("wake", name="a") == "NO_MEMORY"
+    assert notices_to(h, b, "reclaim") == []
+    assert h.ok("status")["tenants"][0]["state"] == "sleeping-warm"
