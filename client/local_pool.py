@@ -89,6 +89,11 @@ class LocalPool:
             self._allocated[block_id] = 0
         self._free.extend(block_ids)
 
+    def free_later(self, block_ids: list[int]) -> None:
+        """Free blocks now, dropping ids that are not allocated (a finalizer's call: never raises)."""
+        live = [b for b in dict.fromkeys(block_ids) if 0 <= b < self.num_blocks and self._allocated[b]]
+        self.free(live)
+
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy K and V of every layer from ``src[i]`` to ``dst[i]``."""
         if len(src) != len(dst):

@@ -404,6 +404,13 @@ class KVPool:
         if core.owed_pages and core.has_excess():
             self.agent.nudge()  # the daemon is waiting for these: now, not at the next tick
 
+    def free_later(self, block_ids: list[int]) -> None:
+        """Hand blocks to the pool's agent to free at its next wake-up (within a heartbeat).
+        Takes no lock and never raises: for a finalizer, which may run on any thread,
+        inside a lock holder; ids already free, of a closed pool, or from before a loss of
+        every block (a cold sleep) are dropped then."""
+        self.core.orphaned.append((self.core.num_block_losses, list(block_ids)))
+
     def _free_held(self, block_ids: list[int] | tuple[int, ...]) -> None:
         """Free into the allocator that holds the blocks (the block gate held)."""
         core = self.core

@@ -157,6 +157,8 @@ class PoolAgent:
                 if self._stopping:
                     return
                 self._guarded(self._handle, notice)
+            if not self._stopping and self.core.orphaned:
+                self._guarded(self._free_orphans)
             if not self._stopping:
                 self._guarded(self._pay_limit_debt)
             if not self._stopping and self.core.recycles():  # before any grow: no round trip for these
@@ -248,6 +250,23 @@ class PoolAgent:
             return
         with gate() as may_return:
             yield may_return
+
+    def _free_orphans(self) -> None:
+        """Free the blocks handed over by ``KVPool.free_later`` (a collected cache's), but those
+        no longer live, or handed over before the pool lost every block (their ids may be
+        someone else's now). O(blocks)."""
+        core, batches = self.core, []
+        while core.orphaned:
+            batches.append(core.orphaned.pop())  # list.pop: safe beside a finalizer's append
+        with core.lock:
+            if core.cell.ended:
+                return
+            allocator = core.allocator if core.sleeping_allocator is None else core.sleeping_allocator
+            ids = [b for losses, batch in batches if losses == core.num_block_losses for b in batch]
+            live = [b for b in dict.fromkeys(ids) if allocator.is_live(b)]
+            if live:
+                allocator.free(live)
+        log.info("pool %s: freed %d block(s) of a cache collected without close()", core.name, len(live))
 
     def _pay_limit_debt(self) -> None:
         """Pages mapped past a limit lowered under them go back: spare ones at once, then those

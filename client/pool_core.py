@@ -95,6 +95,7 @@ class PoolCore:
         self.refused_at = float("-inf")  # when the daemon last had no memory for a grow
         self.refused_pages = 0  # ... of how many logical pages (smaller grows still ask)
         self.num_limit_refusals = 0  # grows refused here, past the known limit (the agent tells the daemon)
+        self.orphaned: list[tuple[int, list[int]]] = []  # (block losses then, ids): ``KVPool.free_later``
         self.ahead_refused_at = float("-inf")  # when the daemon last had nothing to spare ahead of need
         self.fair_bytes: int | None = None  # this tenant's fair share, as the daemon last told it
         self.ahead_room_bytes: int | None = None  # what a grow ahead of need could take, as last told

@@ -18,7 +18,9 @@ Semantics:
   The later layers of the same forward reuse the same slots.
 - ``reset()`` frees every block and leaves the cache empty and usable;
   ``close()`` does the same and refuses further updates. Both are idempotent;
-  ``with PagedCache(pool) as cache:`` closes on exit. The pool is the caller's.
+  ``with PagedCache(pool) as cache:`` closes on exit. A cache collected without
+  ``close()`` hands its blocks to the pool's ``free_later`` (freed by the pool's
+  agent within a heartbeat; at once on a ``LocalPool``). The pool is the caller's.
 - Unsupported (``BadRequest``): beam search (``reorder_cache``), cropping
   (assisted decoding), re-batching a non-empty cache, a pool whose layout or
   dtype differs from the model's K/V.
@@ -32,6 +34,7 @@ when a block fills (every ``block_size`` tokens).
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,6 +68,11 @@ class _Reservation:
         self.blocks_per_page = pool.blocks_per_page
         self._held: list[int] = []
 
+    @property
+    def held(self) -> list[int]:
+        """Blocks reserved and not drawn yet."""
+        return self._held
+
     def take(self, n: int) -> None:
         """Reserve ``n`` blocks from the pool; ``PoolExhausted`` with nothing taken."""
         self._held = self.pool.alloc(n) if n else []
@@ -86,6 +94,20 @@ class _Reservation:
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         self.pool.copy_blocks(src, dst)
+
+
+def _orphan_blocks(pool: EnginePool, manager: BlockManager, reservation: _Reservation) -> None:
+    """A cache collected without ``close()``: its rows' blocks (and any reserved) go back
+    through the pool's ``free_later`` (no lock taken here: a finalizer runs on any thread)."""
+    ids, row, num_rows = list(reservation.held), 0, len(manager)
+    while num_rows:
+        if row in manager:
+            ids += manager.block_table(row)
+            num_rows -= 1
+        row += 1
+    free_later = getattr(pool, "free_later", None)
+    if ids and free_later is not None:
+        free_later(ids)
 
 
 class PagedLayer(CacheLayerMixin):
@@ -181,6 +203,8 @@ class PagedCache(Cache):
         self.manager = BlockManager(self._reservation, enable_prefix_cache=False)
         self._closed = False
         self._clear()
+        self._finalizer = weakref.finalize(self, _orphan_blocks, pool, self.manager, self._reservation)
+        self._finalizer.atexit = False
 
     def _clear(self) -> None:
         self._rows = 0
@@ -203,6 +227,7 @@ class PagedCache(Cache):
         """``reset()``, then refuse further updates. Idempotent."""
         self.reset()
         self._closed = True
+        self._finalizer.detach()
 
     def __enter__(self) -> PagedCache:
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from typing import Any
 
@@ -12,9 +13,11 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted  # noqa: E402
+from kvdaemon.client.local_pool import LocalPool  # noqa: E402
 from kvdaemon.errors import BadRequest  # noqa: E402
 from kvdaemon.integrations.hf import PagedCache  # noqa: E402
 
+from tests.conftest import wait_until  # noqa: E402
 from .conftest import PAGE_BYTES  # noqa: E402
 from .models import VOCAB  # noqa: E402
 
@@ -94,6 +97,28 @@ def test_reset_frees_blocks_and_the_cache_is_reusable(client: KVClient, model: A
     assert pool.num_used_blocks == 0
     with pytest.raises(BadRequest, match="closed"):
         cache.update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16), 0)
+    pool.close()
+
+
+def test_a_cache_dropped_without_close_gives_its_blocks_back(client: KVClient, model: Any) -> None:
+    pool = register(client, spec_of(model, 4))
+    local = LocalPool(spec_of(model, 4), num_blocks=64)
+    for source in (pool, local):
+        for _ in range(3):  # the one-liner: a fresh cache per call, never closed
+            greedy(model, *left_padded([7, 3]), PagedCache(source))
+        gc.collect()
+    assert local.num_used_blocks == 0  # at once
+    wait_until(lambda: pool.num_used_blocks == 0, 5, "the collected caches' blocks stayed allocated")
+    kept = PagedCache(pool)
+    greedy(model, *left_padded([5]), kept)
+    used = pool.num_used_blocks
+    with pytest.raises(BadRequest, match="beam search"):  # refused after its prefill took blocks
+        model.generate(left_padded([5])[0], max_new_tokens=3, num_beams=2, do_sample=False,
+                       past_key_values=PagedCache(pool))  # fmt: skip
+    gc.collect()
+    wait_until(lambda: pool.num_used_blocks == used, 5, "the refused cache's blocks stayed allocated")
+    kept.close()
+    assert pool.num_used_blocks == 0
     pool.close()
 
 
