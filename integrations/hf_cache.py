@@ -22,8 +22,12 @@ Semantics:
   ``close()`` hands its blocks to the pool's ``free_later`` (freed by the pool's
   agent within a heartbeat; at once on a ``LocalPool``). The pool is the caller's.
 - Unsupported (``BadRequest``): beam search (``reorder_cache``), cropping
-  (assisted decoding), re-batching a non-empty cache, a pool whose layout or
-  dtype differs from the model's K/V.
+  (assisted decoding), re-batching a non-empty cache, a pool whose K/V shape
+  or dtype differs from what the model's layers give, or with fewer layers
+  (checked as each layer first writes; a pool with more layers than the model
+  works, its last ones unused). Models whose attention caches something other
+  than per-head K/V (DeepSeek's MLA latent) do not fit a K/V pool: serve them
+  with ``Engine``, which probes the model's layout.
 
 Cost per layer and forward: one ``index_copy_`` per K and V for the new tokens
 and one ``index_select`` per K and V over the row's blocks (a copy of

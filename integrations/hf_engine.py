@@ -54,6 +54,7 @@ tokens + blocks) Python work to build the index tensors.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -166,8 +167,7 @@ class Engine:
         if self._closed:
             raise BadRequest("the engine is closed")
         prompt = _token_list(prompt_ids, self.model.config.vocab_size)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise BadRequest(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        max_new_tokens = _count(max_new_tokens, "max_new_tokens")
         if len(prompt) + max_new_tokens > self.max_num_tokens:
             raise BadRequest(
                 f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the pool's "
@@ -264,6 +264,12 @@ class Engine:
         ``stall_timeout_s`` seconds in which no step could compute anything, and
         ``BadRequest`` (nothing queued) for a bad prompt.
         """
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+            raise BadRequest(f"generate takes a list of prompts, got {type(prompts).__name__}")
+        prompts = list(prompts)
+        if prompts and not hasattr(prompts[0], "__len__"):
+            raise BadRequest("generate takes a list of prompts, each a list of token ids: for one prompt, "
+                             "pass [prompt_ids] (add_request takes one)")  # fmt: skip
         requests: list[Request] = []
         try:
             for prompt in prompts:
@@ -375,14 +381,41 @@ def _default_stops(model: Any) -> list[int]:
 
 
 def _token_list(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
-    if isinstance(prompt_ids, torch.Tensor):
-        if prompt_ids.dim() != 1:
-            raise BadRequest(f"prompt_ids must be 1-D, got shape {list(prompt_ids.shape)}")
+    """``prompt_ids`` (a sequence, a 1-D tensor or array of integers) as a list of ints, each
+    checked against the vocabulary; ``BadRequest`` saying what is wrong."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise BadRequest("prompt_ids must be token ids, not text (tokenize it first)")
+    shape = getattr(prompt_ids, "shape", None)
+    if shape is not None and len(shape) != 1:
+        raise BadRequest(f"prompt_ids must be 1-D, got shape {list(shape)}")
+    if hasattr(prompt_ids, "tolist"):  # a tensor or an array: its elements as Python numbers
         prompt_ids = prompt_ids.tolist()
-    prompt = list(prompt_ids)
+    try:
+        prompt = [_token_id(token, i, vocab_size) for i, token in enumerate(prompt_ids)]
+    except TypeError as exc:
+        raise BadRequest(f"prompt_ids must be a sequence of token ids, got {type(prompt_ids).__name__}") from exc
     if not prompt:
         raise BadRequest("prompt_ids is empty")
-    for token in prompt:
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise BadRequest(f"prompt token {token!r} is not an id in [0, {vocab_size})")
     return prompt
+
+
+def _token_id(token: Any, position: int, vocab_size: int) -> int:
+    """``token`` as an int in ``[0, vocab_size)``: any integer type (numpy's too), never a bool."""
+    try:
+        value = operator.index(token) if not isinstance(token, bool) else None
+    except TypeError:
+        value = None
+    if value is None or not 0 <= value < vocab_size:
+        raise BadRequest(f"prompt token {token!r} at position {position} is not an id in [0, {vocab_size})")
+    return value
+
+
+def _count(value: Any, name: str) -> int:
+    """``value`` as a positive int (any integer type, never a bool); ``BadRequest`` otherwise."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else 0
+    except TypeError:
+        number = 0
+    if number <= 0:
+        raise BadRequest(f"{name} must be a positive integer, got {value!r}")
+    return number

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import os
 import shutil
 import signal
@@ -16,6 +17,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvdaemon.client import KVClient, KVPool, PoolExhausted  # noqa: E402
@@ -214,10 +216,15 @@ def test_bad_requests_are_refused_and_change_nothing(model: Any) -> None:
     for prompt, new, match in (
         ([], 4, "empty"), ([1, VOCAB], 4, "not an id"), ([1, -1], 4, "not an id"), (["a"], 4, "not an id"),
         ([1, 2], 0, "max_new_tokens"), ([1, 2], True, "max_new_tokens"), ([1] * 30, 4, "virtual capacity"),
-        (torch.ones(2, 2, dtype=torch.long), 4, "1-D"),
+        (torch.ones(2, 2, dtype=torch.long), 4, "1-D"), (np.ones((2, 2), dtype=np.int64), 4, "1-D"),
+        ("hello", 4, "not text"), (7, 4, "a sequence of token ids"), ([1, 2.0], 4, "2.0 at position 1"),
+        ([True, 1], 4, "True at position 0"), ([1, 2], np.float64(2.0), "max_new_tokens"),
     ):
-        with pytest.raises(BadRequest, match=match):
+        with pytest.raises(BadRequest, match=re.escape(match)):
             engine.add_request(prompt, new)
+    assert not engine.has_unfinished
+    with pytest.raises(BadRequest, match=re.escape("for one prompt, pass [prompt_ids]")):
+        engine.generate([1, 2, 3], 2)  # a flat prompt
     assert not engine.has_unfinished
     with pytest.raises(BadRequest, match="not an id"):
         engine.generate([[1, 2], [3, VOCAB + 5]], 2)
@@ -225,6 +232,16 @@ def test_bad_requests_are_refused_and_change_nothing(model: Any) -> None:
     engine.close()
     with pytest.raises(BadRequest, match="closed"):
         engine.add_request([1, 2], 2)
+
+
+def test_integer_types_of_numpy_and_torch_are_token_ids(model: Any) -> None:
+    engine = Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=32))
+    prompt = random_prompts([9])[0]
+    expected = engine.generate([prompt], 3)
+    assert engine.generate([np.array(prompt, dtype=np.int64)], np.int64(3)) == expected  # return_tensors="np"
+    assert engine.generate([torch.tensor(prompt)], 3) == expected
+    assert engine.generate([[np.int32(t) for t in prompt]], 3) == expected
+    engine.close()
 
 
 def test_a_pool_that_does_not_fit_the_model_is_refused(model: Any) -> None:
