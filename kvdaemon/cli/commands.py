@@ -123,8 +123,10 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
         if asked == capacity:  # too close to tell apart rounded: say the bytes
             asked, capacity = f"{wanted} B", f"{capacity} ({info['capacity_bytes']} B)"
         rounded = f"; the {asked} asked, rounded down to whole {format_bytes(info['page_size'])} pages"
+    metrics = f", metrics http://{config.metrics_address}/metrics" if config.metrics_port else ""
     emit(as_json, result, (
-        f"kvdaemon running at {config.dir} (pid {pid}, backend {info['backend']}, capacity {capacity}{rounded})"
+        f"kvdaemon running at {config.dir} (pid {pid}, backend {info['backend']}, capacity {capacity}{rounded}"
+        f"{metrics})"
     ))  # fmt: skip
 
 

@@ -361,6 +361,7 @@ def test_metrics_port_serves_prometheus(cli: Cli) -> None:
         port = probe.getsockname()[1]
     done = cli.start(*HOST_FLAGS, "--metrics-port", str(port))
     assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(f", metrics http://127.0.0.1:{port}/metrics)")  # where to scrape
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
     samples = {
