@@ -97,7 +97,8 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
     """Start the daemon: detached by default, returning once it accepts clients.
 
     --foreground runs it in this process until SIGTERM, SIGINT or `kvdaemon
-    stop`, and tells systemd READY=1 / STOPPING=1 when $NOTIFY_SOCKET is set.
+    stop`, and tells systemd READY=1 / STOPPING=1 when $NOTIFY_SOCKET is set
+    (with --json it prints one JSON object once ready).
     Settings: flags, then KVDAEMON_* variables (KVDAEMON_PAGE_SIZE for
     --page-size), then the --config file (page-size = "64KiB"), whose
     [tenants.NAME] tables set limits for tenants before they register.
@@ -105,7 +106,7 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
     flags = {"dir": dir_flag, **{key.replace("_", "-"): value for key, value in settings.items()}}
     config = load_config(flags, os.environ, config_file)
     if foreground:
-        raise click.exceptions.Exit(lifecycle.run_foreground(config))
+        raise click.exceptions.Exit(lifecycle.run_foreground(config, ready_json=as_json))
     pid = detach.start_detached(config)
     with reach.talking(config.dir) as client:
         info = client.hello()

@@ -18,6 +18,7 @@ that merely talk to a daemon stay light.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -48,10 +49,11 @@ log = logging.getLogger("kvdaemon")
 LOCK_RETRY_S = 0.2
 
 
-def run_foreground(config: DaemonConfig) -> int:
+def run_foreground(config: DaemonConfig, ready_json: bool = False) -> int:
     """Run a daemon in this process until ``stop()``, SIGTERM/SIGINT or a ``shutdown`` op.
 
-    Logs to stderr, and to ``config.log_file`` when set; tells systemd
+    Logs to stderr, and to ``config.log_file`` when set; ``ready_json``: prints one
+    JSON object on stdout once clients can connect (``ready_object``); tells systemd
     ``READY=1`` once clients can connect and ``STOPPING=1`` when it begins to
     stop (``kvdaemon.cli.notify``). Raises ``Conflict`` when a daemon already
     runs at ``config.dir``, ``UnsafeDirectory``/``ConfigError`` for a directory
@@ -72,12 +74,27 @@ def run_foreground(config: DaemonConfig) -> int:
                 freeze_heap()  # full collections walk only what serving creates
                 line = startup_line(daemon)
                 log.info("%s", line)
+                if ready_json:
+                    print(json.dumps(ready_object(daemon)), flush=True)
                 notify_ready(line)
                 daemon.serve()
             finally:
                 _remove_sockets(paths)
         log.info("kvdaemon %d stopped", os.getpid())
     return 0
+
+
+def ready_object(daemon: Daemon) -> dict[str, object]:
+    """What ``start --foreground --json`` prints once ready: where, which process, backend,
+    device, capacity, page size and the metrics URL (``null``: off)."""
+    assert daemon.service is not None, "start() first"
+    status = daemon.service.status()
+    return {
+        "dir": str(daemon.paths.root), "pid": os.getpid(), "version": __version__, "ready": True,
+        "backend": status["backend"], "device": daemon.config.device,
+        "capacity_bytes": status["capacity_bytes"], "page_size": status["page_size"],
+        "metrics_url": daemon.metrics.url if daemon.metrics is not None else None,
+    }  # fmt: skip
 
 
 def startup_line(daemon: Daemon) -> str:

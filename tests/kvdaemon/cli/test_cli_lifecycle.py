@@ -348,6 +348,22 @@ def test_foreground_runs_until_sigint(cli: Cli) -> None:
     assert not any(path.exists() for path in cli.paths.sockets())
 
 
+def test_foreground_json_prints_one_object_once_ready(cli: Cli) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-m", "kvdaemon", "start", "--foreground", "--json", "--dir", str(cli.dir), *HOST_FLAGS],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    cli.pids.add(child.pid)
+    assert child.stdout is not None
+    ready = json.loads(child.stdout.readline())  # the log goes to stderr: stdout is this line
+    assert ready == {"dir": str(cli.dir), "pid": child.pid, "version": ready["version"], "ready": True,
+                     "backend": "host", "device": 0, "capacity_bytes": 64 * MiB, "page_size": 2 * MiB,
+                     "metrics_url": None}  # fmt: skip
+    assert cli.run("status").returncode == 0  # ready means clients can connect
+    assert cli.run("stop").returncode == 0 and child.wait(timeout=10) == 0
+    assert child.stdout.read() == ""
+
+
 def test_stop_of_a_foreground_daemon(cli: Cli) -> None:
     child = cli.foreground()
     stopped = cli.run("stop")
