@@ -109,6 +109,12 @@ def test_tenant_commands_json_and_idempotence(cli: Cli) -> None:
         client.close()
 
 
+def background_sleep(cli: Cli) -> subprocess.Popen[str]:
+    """``kvdaemon sleep llama-a --json`` running in the background."""
+    return subprocess.Popen([sys.executable, "-m", "kvdaemon", "sleep", "llama-a", "--json", "--dir", str(cli.dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
 def test_a_wake_cancels_a_sleep_still_waiting_for_its_engine(cli: Cli) -> None:
     cli.started_pid()
     client = cli.client()
@@ -117,8 +123,7 @@ def test_a_wake_cancels_a_sleep_still_waiting_for_its_engine(cli: Cli) -> None:
     pool.quiesce_hook = lambda: stepping.wait(10)  # its engine is mid-step until told
     try:
         pool.alloc(4)
-        sleep = subprocess.Popen([sys.executable, "-m", "kvdaemon", "sleep", "llama-a", "--json", "--dir", str(cli.dir)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        sleep = background_sleep(cli)
         wait_until(lambda: json_of(cli.run("status", "llama-a", "--json"))["tenants"][0]["sleep_pending"] == "warm",
                    10, "the sleep was never pending")  # fmt: skip
         woke = json_of(cli.run("wake", "llama-a", "--json"))
@@ -145,8 +150,7 @@ def test_a_sleep_waiting_when_the_daemon_stops_is_told_so(cli: Cli) -> None:
     pool.quiesce_hook = lambda: stepping.wait(10)
     try:
         pool.alloc(4)
-        sleep = subprocess.Popen([sys.executable, "-m", "kvdaemon", "sleep", "llama-a", "--json", "--dir", str(cli.dir)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        sleep = background_sleep(cli)
         wait_until(lambda: json_of(cli.run("status", "llama-a", "--json"))["tenants"][0]["sleep_pending"] == "warm",
                    10, "the sleep was never pending")  # fmt: skip
         assert cli.run("stop").returncode == 0
