@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvdaemon.daemon.reclaim import MAX_PARKED_PER_TENANT
 from kvdaemon.wire.protocol import decode, request
 
 from tests.conftest import PAGE_BYTES
@@ -199,6 +200,7 @@ def test_a_warm_wake_short_of_pages_is_served_by_reclaim_like_a_grow(h: Harness)
     assert h.service.dispatch(b"admin", request(9, "wake", {"name": "a"})) is None  # parked, not refused
     assert notices_to(h, b, "reclaim") == [{"num_pages": 3, "urgent": True}]  # just what is missing
     assert h.ok("status")["tenants"][0]["state"] == "sleeping-warm"
+    assert h.error("wake", name="a") == "NO_MEMORY"  # one wake of a tenant waits at a time
     h.ok("shrink", **h.auth("b", b["token"], logical_pages=[3, 4, 5]))  # b gives its cache back
     h.tick(0.01)
     reply = deferred(h)
@@ -221,3 +223,15 @@ def test_a_warm_wake_no_reclaim_can_serve_is_refused_at_once(h: Harness) -> None
     assert h.error("wake", name="a") == "NO_MEMORY"
     assert notices_to(h, b, "reclaim") == []
     assert h.ok("status")["tenants"][0]["state"] == "sleeping-warm"
+
+
+def test_a_tenant_parks_a_bounded_number_of_grows_and_one_wake(h: Harness) -> None:
+    a = h.register("a")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=list(range(6))))  # 12 of 16 pages
+    b = h.register("b")
+    for i in range(MAX_PARKED_PER_TENANT):
+        assert h.service.dispatch(b"b", request(i, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2]))) is None
+    assert h.error("grow", **h.auth("b", b["token"], logical_pages=[0, 1, 2])) == "NO_MEMORY"  # not parked
+    assert len(h.service.reclaimer.parked) == MAX_PARKED_PER_TENANT
+    h.tick(2.1)  # every parked grow is answered
+    assert len(h.replies) == MAX_PARKED_PER_TENANT and h.service.reclaimer.parked == []
