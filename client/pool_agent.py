@@ -17,7 +17,7 @@ pool's lock only as long as each answer takes:
   engine's own grows may ask at once, and the reserve is probed now (a pool that
   recycles its cache leaves that to its engine's next allocation);
 - ``sleep`` / ``wake``: see ``pool_sleep``; ``limit``: the pool's known limit
-  (pages mapped past a lowered one go back, cache-only ones too: ``_pay_limit_debt``,
+  (pages mapped past a lowered one go back, cache-only ones too: ``pool_returns``,
   on every wake-up while over it);
 - ``revoked``: every page is unmapped here and the pool ends (``REVOKED``);
 - ``shutdown``: logged; the lease's end follows.
@@ -56,12 +56,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from kvdaemon.client.lease import Lease
 from kvdaemon.client.pool_core import PoolCore
 from kvdaemon.client.pool_reconnect import try_reconnect
+from kvdaemon.client.pool_returns import free_orphans, pay_limit_debt, return_spare, returning
 from kvdaemon.client.pool_sleep import sleep_pool, wake_pool
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.errors import KVDaemonError
@@ -158,9 +158,9 @@ class PoolAgent:
                     return
                 self._guarded(self._handle, notice)
             if not self._stopping and self.core.orphaned:
-                self._guarded(self._free_orphans)
+                self._guarded(free_orphans, self.core)
             if not self._stopping:
-                self._guarded(self._pay_limit_debt)
+                self._guarded(pay_limit_debt, self.core)
             if not self._stopping and self.core.recycles():  # before any grow: no round trip for these
                 self._guarded(self._blocks_from_cache, self.core.reserve_blocks)
             if not self._stopping:
@@ -223,70 +223,16 @@ class PoolAgent:
 
     def _reclaim(self, wanted: int, urgent: bool) -> None:
         core = self.core
-        returned = self._return_spare(wanted)
+        returned = return_spare(core, wanted)
         hook = core.reclaim_hook
         if returned < wanted and hook is not None:
             hook((wanted - returned) * core.allocator.blocks_per_page)  # cache-only pages next
-            returned += self._return_spare(wanted - returned)
+            returned += return_spare(core, wanted - returned)
         if returned < wanted and urgent:
             with core.lock:  # the rest go back as their blocks are freed
                 core.owed_pages = max(core.owed_pages, wanted - returned)
                 core.owed_at = time.monotonic()
         log.info("pool %s: returned %d of %d page(s) on request", core.name, returned, wanted)
-
-    def _return_spare(self, num_pages: int) -> int:
-        """Give back up to ``num_pages`` spare pages, inside the return gate; how many went."""
-        with self._returning() as may_return:
-            return self.core.return_spare(num_pages) if may_return else 0
-
-    @contextmanager
-    def _returning(self) -> Iterator[bool]:
-        """Whether spare pages may go back now: inside the engine's ``return_gate`` where it set
-        one (vLLM's is held from counting free blocks to taking them), else always. Never held
-        while a hook runs: a hook may wait for the engine, which may wait for the gate."""
-        gate = self.core.return_gate
-        if gate is None:
-            yield True
-            return
-        with gate() as may_return:
-            yield may_return
-
-    def _free_orphans(self) -> None:
-        """Free the blocks handed over by ``KVPool.free_later`` (a collected cache's), but those
-        no longer live, or handed over before the pool lost every block (their ids may be
-        someone else's now). O(blocks)."""
-        core, batches = self.core, []
-        while core.orphaned:
-            batches.append(core.orphaned.pop())  # list.pop: safe beside a finalizer's append
-        with core.lock:
-            if core.cell.ended:
-                return
-            allocator = core.allocator if core.sleeping_allocator is None else core.sleeping_allocator
-            ids = [b for losses, batch in batches if losses == core.num_block_losses for b in batch]
-            live = [b for b in dict.fromkeys(ids) if allocator.is_live(b)]
-            if live:
-                allocator.free(live)
-        log.info("pool %s: freed %d block(s) of a cache collected without close()", core.name, len(live))
-
-    def _pay_limit_debt(self) -> None:
-        """Pages mapped past a limit lowered under them go back: spare ones at once, then those
-        the engine's cache-only blocks hold (its reclaim hook evicts the debt's worth of blocks,
-        whole pages first, then every cache-only block while a page is still over: a page goes
-        back only once each of its blocks is free, and an idle engine frees none by itself).
-        Blocks of running requests go back as they are freed; while over its limit the pool
-        keeps no cache. Cost: O(1) within the limit; over it, one or two hook calls, O(cached
-        blocks), per wake-up."""
-        core = self.core
-        over = core.pages_over_limit()
-        if over <= 0 or core.state is not PoolState.ACTIVE:
-            return
-        over -= self._return_spare(over)
-        for num_blocks in (over * core.allocator.blocks_per_page, core.allocator.num_blocks):
-            hook = core.reclaim_hook
-            if over <= 0 or hook is None:
-                return
-            hook(num_blocks)
-            over -= self._return_spare(over)
 
     def _revoke(self, why: str) -> None:
         core = self.core
@@ -308,7 +254,7 @@ class PoolAgent:
                 if core.owed_pages and time.monotonic() - core.owed_at > OWED_S:
                     core.owed_pages = min(core.owed_pages, core.pages_over_limit())  # a limit's debt stays
                 self._grow_ahead()
-        with self._returning() as may_return, core.lock:
+        with returning(core) as may_return, core.lock:
             if may_return and core.state is PoolState.ACTIVE:
                 core.return_excess()
         with core.lock:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvdaemon.cuda_vmm.backend import PhysicalPage
 from kvdaemon.errors import BadRequest, UnknownTenant
 from kvdaemon.wire.dtypes import DTYPE_BYTES
-from kvdaemon.wire.protocol import Args
+from kvdaemon.wire.protocol import MAX_INT, Args
 from kvdaemon.wire.sizes import format_bytes
 
 from kvdaemon.daemon.policies import Limits, OwnLimits
@@ -202,7 +202,7 @@ class Tenant:
     def note_refused_by_pool(self, num_grows: int) -> None:
         """``num_grows`` grows its pool refused itself, past the limit it was told (a heartbeat
         says so): counted with the daemon's own refusals."""
-        self.num_refused_grows += num_grows
+        self.num_refused_grows = min(self.num_refused_grows + num_grows, MAX_INT)  # status must encode
         self.last_refusal = (f"{num_grows} grow(s) refused by its pool, past its limit "
                              f"({format_bytes(self.mapped_bytes)} mapped, limit {format_bytes(self.max_bytes)})")
 

@@ -87,6 +87,9 @@ def test_grows_a_pool_refused_itself_are_counted_from_its_heartbeat(h: Harness) 
     tenant = h.service.tenants.named("a")
     assert row(h, "a")["refused_grows"] == 3
     assert tenant.last_refusal == "3 grow(s) refused by its pool, past its limit (0 B mapped, limit 8.00 MiB)"
-    for bad in (-1, "3", 1.5):
+    for bad in (-1, "3", 1.5, 1 << 63):
         assert h.error("heartbeat", **h.auth("a", tok, refused_grows=bad)) == "BAD_REQUEST"
     assert row(h, "a")["refused_grows"] == 3
+    for _ in range(2):  # a tenant feeding the largest count twice: status still encodes
+        h.ok("heartbeat", **h.auth("a", tok, refused_grows=(1 << 63) - 1))
+    assert row(h, "a")["refused_grows"] == (1 << 63) - 1
