@@ -115,13 +115,18 @@ def _tenant_gauges(tenants: list[dict[str, Any]]) -> Iterator[GaugeMetricFamily]
         "A tenant's limit in bytes (the capacity where nothing sets a smaller one).",
         labels=["tenant"],
     )
+    refused = CounterMetricFamily(
+        "kvdaemon_tenant_refused_grows", "Grows of a tenant refused (by the daemon, or by its pool past its "
+        "limit) since it registered.", labels=["tenant"],
+    )  # fmt: skip
     for tenant in tenants:
         name = [str(tenant["name"])]
         mapped.add_metric(name, tenant["mapped_bytes"])
         used.add_metric(name, tenant["used_bytes"])
         if tenant.get("max_bytes") is not None:
             limit.add_metric(name, tenant["max_bytes"])
-    yield from (mapped, used, limit)
+        refused.add_metric(name, tenant.get("refused_grows", 0))
+    yield from (mapped, used, limit, refused)
 
 
 def _sleep_and_reclaim(status: dict[str, Any]) -> Iterator[Metric]:

@@ -83,7 +83,7 @@ log = logging.getLogger("kvdaemon.reclaim")
 Attempt = Callable[[Tenant, float], dict[str, Any]]
 ASK_AHEAD_S = 0.25  # at most one such ask per this interval
 REASK_S = 0.5  # a parked grow's victims are asked again this often (under a pool's OWED_S)
-MAX_PARKED_PER_TENANT = 4  # grows (and wakes) of one tenant waiting at once; a pool has one in flight
+MAX_PARKED_PER_TENANT = 8  # grows and wakes of one tenant waiting at once (a pool has one grow in flight)
 
 
 @dataclass
@@ -130,11 +130,11 @@ class Reclaimer:
 
         With ``wait_s == 0`` the victims are still asked, but nothing is parked. ``attempt``
         (a warm wake of ``min_pages`` logical pages) is retried instead of a grow. A tenant
-        has at most ``MAX_PARKED_PER_TENANT`` grows parked and one wake: past that, nothing
-        more is parked (a flood of asks cannot make every retry cost more).
+        has at most ``MAX_PARKED_PER_TENANT`` grows and wakes parked: past that, nothing more
+        is parked (a flood of asks cannot make every retry cost more). Wakes parked together
+        are answered together: the first that fits wakes the tenant, the rest find it awake.
         """
-        mine = [p for p in self.parked if p.tenant_id == tenant.tenant_id]
-        if len(mine) >= MAX_PARKED_PER_TENANT or (attempt is not None and any(p.attempt for p in mine)):
+        if sum(p.tenant_id == tenant.tenant_id for p in self.parked) >= MAX_PARKED_PER_TENANT:
             return False
         tenant.starved_at, tenant.starved_pages = now, min_pages * tenant.spec.num_segments
         short = self._short(tenant, min_pages)

@@ -90,14 +90,16 @@ def test_gauges_follow_the_snapshot_on_every_scrape(metrics: Metrics, fake: Fake
     assert samples[("kvdaemon_tenant_mapped_bytes", tenant)] == 8 * MiB
     assert samples[("kvdaemon_tenant_used_bytes", tenant)] == 6 * MiB
     assert samples[("kvdaemon_tenant_max_bytes", tenant)] == 32 * MiB
+    assert samples[("kvdaemon_tenant_refused_grows_total", tenant)] == 0
 
     fake.status = make_status(
         [
             make_tenant("llama-a", 2 * MiB, 0, 32 * MiB),
-            make_tenant("qwen-b", 10 * MiB, 4 * MiB, None),
+            {**make_tenant("qwen-b", 10 * MiB, 4 * MiB, None), "refused_grows": 7},
         ]
     )
     samples = scrape(metrics)
+    assert samples[("kvdaemon_tenant_refused_grows_total", (("tenant", "qwen-b"),))] == 7
     assert samples[("kvdaemon_free_bytes", ())] == 52 * MiB
     assert samples[("kvdaemon_tenant_mapped_bytes", tenant)] == 2 * MiB
     assert samples[("kvdaemon_tenant_mapped_bytes", (("tenant", "qwen-b"),))] == 10 * MiB
