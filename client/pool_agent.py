@@ -254,10 +254,9 @@ class PoolAgent:
                 if core.owed_pages and time.monotonic() - core.owed_at > OWED_S:
                     core.owed_pages = min(core.owed_pages, core.pages_over_limit())  # a limit's debt stays
                 self._grow_ahead()
-        with returning(core) as may_return, core.lock:
+        with returning(core) as may_return, core.lock:  # not held over the grows: they wait on the daemon
             if may_return and core.state is PoolState.ACTIVE:
                 core.return_excess()
-        with core.lock:
             core.retry_returns()
             report = self._report()
         now = time.monotonic()

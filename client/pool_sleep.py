@@ -98,8 +98,9 @@ def wake_pool(core: PoolCore, notice: WakeNotice) -> None:
         # (`kvdaemon sleep --cold`), and then the blocks of the old allocator are gone.
         if notice.mode == "warm" and core.sleeping_allocator is not None:
             core.allocator = core.sleeping_allocator
-            for lp in (lp for lp in granted if not core.allocator.is_mapped(lp)):  # granted late before the sleep
-                core.allocator.add_page(lp)  # saved with the rest: mapped again, spare
+            for lp in granted:
+                if not core.allocator.is_mapped(lp):  # granted late before the sleep, saved with the rest
+                    core.allocator.add_page(lp)  # mapped again: a spare page
         else:
             if core.sleeping_allocator is not None:
                 core.num_block_losses += 1
