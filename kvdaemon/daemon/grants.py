@@ -123,9 +123,10 @@ class Grants:
         if min_pages > cap:
             raise BadRequest(f"a grow may ask for at most {cap} logical pages at least, got {min_pages}")
         num_free = self.pages.num_free
-        if self.shares is not None and ahead:
+        fits_free = num_free // tenant.spec.num_segments >= min_pages  # shares only hold pages back:
+        if self.shares is not None and fits_free and ahead:  # O(tenants), so asked only where it decides
             num_free = self.shares.free_for_ahead(tenant, num_free, now)
-        elif self.shares is not None:
+        elif self.shares is not None and fits_free:
             num_free = self.shares.free_for(tenant, num_free, now)
         by_free = num_free // tenant.spec.num_segments
         if by_free < min_pages:

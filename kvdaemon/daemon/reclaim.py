@@ -23,7 +23,7 @@ the daemon:
 
 Ahead of need (``ask_ahead``, each tick): while fewer than ``shares.LOW_WATER`` of
 the pages are free and no grow is parked, the daemon asks the tenants holding
-the most reclaimable pages past their fair share (``Shares.pages_past_fair``;
+the most reclaimable pages past their fair share (``Shares.fair_pages``;
 per unit of weight) for what is missing, at most once per ``ASK_AHEAD_S``; a
 tenant within its fair share is not asked (were every tenant within it, the
 low water would be free). A pool gives spare pages and cache-only pages,
@@ -73,7 +73,7 @@ from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.device_pages import DevicePages
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reply import PendingReply
-from kvdaemon.daemon.shares import Shares
+from kvdaemon.daemon.shares import Shares, held_pages
 from kvdaemon.daemon.sleep import Sleeper
 from kvdaemon.daemon.tenant import Tenant, Tenants, TenantState
 from kvdaemon.errors import KVDaemonError, NoMemory, UnknownTenant
@@ -174,7 +174,9 @@ class Reclaimer:
         if short <= 0 or self.parked or now < self._next_ask_ahead:
             return
         self._next_ask_ahead = now + ASK_AHEAD_S
-        capped = [(t, min(pages, self.shares.pages_past_fair(t))) for t, pages in self._victims(None, now)]
+        fair = self.shares.fair_pages_all()  # victims are active: each has its share here
+        capped = [(t, min(pages, max(0, held_pages(t) - fair[t.tenant_id])))
+                  for t, pages in self._victims(None, now)]
         victims = sorted((v for v in capped if v[1] > 0), key=lambda v: v[1] / v[0].weight, reverse=True)
         if victims:
             self._ask(victims, short, stop_when_covered=True, urgent=False)

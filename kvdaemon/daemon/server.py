@@ -50,6 +50,7 @@ log = logging.getLogger("kvdaemon.daemon.server")
 POLL_MS = 100
 CONTROL_BATCH = 64
 CONTROL_BUDGET_S = 0.02
+CONTROL_SNDHWM = 16  # replies queued per control peer (see ``_bind_control``)
 
 
 class Daemon:
@@ -118,6 +119,9 @@ class Daemon:
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.RCVHWM, 64)  # a flooding peer is held back by the kernel, not buffered here
+        # A client waits for each reply before its next request, so a peer with more than
+        # SNDHWM replies unread is not reading: past it replies are dropped, not queued.
+        router.setsockopt(zmq.SNDHWM, CONTROL_SNDHWM)
         router.bind(self.paths.control_endpoint)
         os.chmod(self.paths.control_socket, 0o600)
         self._router = router

@@ -428,7 +428,8 @@ class Service:
     def status(self) -> dict[str, Any]:
         """The object of ``status --json`` (DESIGN.md §13), plus daemon and detail fields."""
         now = self.clock()
-        tenants = [self._tenant_status(t, now) for t in self.tenants]
+        fair = self.shares.fair_pages_all()
+        tenants = [self._tenant_status(t, now, fair) for t in self.tenants]
         return {
             "backend": self.backend.name,
             "device": self.backend.device,
@@ -446,10 +447,14 @@ class Service:
             "policies": self.policies.rows(t["name"] for t in tenants),
         }
 
-    def _tenant_status(self, tenant: Tenant, now: float) -> dict[str, object]:
-        """A tenant's row, with its fair share and whether it is short (``shares``)."""
+    def _tenant_status(self, tenant: Tenant, now: float, fair: dict[int, int]) -> dict[str, object]:
+        """A tenant's row, with its fair share (``fair``: the active tenants', by id) and
+        whether it is short (``shares``)."""
         row = tenant.status(now)
-        row["fair_bytes"] = self.shares.fair_pages(tenant) * self.pages.page_size_bytes
+        pages = fair.get(tenant.tenant_id)
+        if pages is None:  # not active: its share as if it were
+            pages = self.shares.fair_pages(tenant)
+        row["fair_bytes"] = pages * self.pages.page_size_bytes
         row["short"] = self.shares.is_short(tenant, now)
         return row
 

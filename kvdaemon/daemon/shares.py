@@ -33,7 +33,7 @@ tenant, so what a tenant holds past it is whole logical pages (what a reclaim
 asks for). The fair shares of the active tenants add up to at most the
 capacity less the low water (more only where the minimums alone exceed it).
 ``ask_ahead`` asks a tenant only for what it holds past its fair share
-(``pages_past_fair``): while every tenant is within its fair share the low
+(``fair_pages``): while every tenant is within its fair share the low
 water is free, so an ask ahead of need would only move cache pages between
 tenants that all keep what they have. A pool is told its fair share and what
 a grow ahead of need could take now (``free_for_ahead``) in every heartbeat
@@ -59,6 +59,12 @@ def _min_pages(tenant: Tenant) -> int:
     return -(-tenant.min_bytes // tenant.page_size_bytes)
 
 
+def _whole(tenant: Tenant, part: float) -> int:
+    """``part`` physical pages rounded down to whole logical pages of ``tenant``."""
+    segments = tenant.spec.num_segments
+    return int(part) // segments * segments
+
+
 def held_pages(tenant: Tenant) -> int:
     """Physical pages ``tenant`` maps."""
     return len(tenant.logical) * tenant.spec.num_segments
@@ -79,31 +85,34 @@ class Shares:
 
     def fair_pages(self, tenant: Tenant) -> int:
         """Physical pages that are ``tenant``'s fair share (see the module docstring), in whole
-        logical pages; a tenant not active is counted as if it were. O(tenants^2) at worst."""
+        logical pages; a tenant not active is counted as if it were. O(tenants) per pass of
+        the water filling (one pass, or one more per tenant held at its minimum)."""
         active = self._active()
-        if tenant not in active:
+        if not any(t is tenant for t in active):
             active.append(tenant)
+        parts, left, total = self._fill(active)
+        return _whole(tenant, parts.get(tenant.tenant_id, left * tenant.weight / total if total else 0.0))
+
+    def fair_pages_all(self) -> dict[int, int]:
+        """``fair_pages`` of every active tenant by id, in one filling: O(tenants) per pass."""
+        active = self._active()
+        parts, left, total = self._fill(active)
+        return {t.tenant_id: _whole(t, parts.get(t.tenant_id, left * t.weight / total if total else 0.0))
+                for t in active}
+
+    def _fill(self, active: list[Tenant]) -> tuple[dict[int, float], float, float]:
+        """The water filling over ``active``: (the parts of tenants held at their minimum,
+        the pages left for the rest, the rest's total weight)."""
         usable = float(self.num_pages - self.low_water_pages)
         parts: dict[int, float] = {}
         while True:  # each pass fixes at least one more tenant at its minimum, or ends
             rest = [t for t in active if t.tenant_id not in parts]
             left = max(0.0, usable - sum(parts.values()))
             total = sum(t.weight for t in rest)
-            minimums = {t.tenant_id: float(_min_pages(t)) for t in rest}
-            fixed = {t.tenant_id: minimums[t.tenant_id] for t in rest
-                     if minimums[t.tenant_id] > left * t.weight / total}
+            fixed = {t.tenant_id: float(_min_pages(t)) for t in rest if _min_pages(t) > left * t.weight / total}
             if not fixed:
-                break
+                return parts, left, total
             parts.update(fixed)
-        part = parts.get(tenant.tenant_id)
-        if part is None:
-            part = left * tenant.weight / total
-        segments = tenant.spec.num_segments
-        return int(part) // segments * segments
-
-    def pages_past_fair(self, tenant: Tenant) -> int:
-        """Physical pages ``tenant`` holds past its fair share (0 within it): whole logical pages."""
-        return max(0, held_pages(tenant) - self.fair_pages(tenant))
 
     def is_short(self, tenant: Tenant, now: float) -> bool:
         return now - tenant.starved_at < STARVED_S

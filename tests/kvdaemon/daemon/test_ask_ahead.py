@@ -8,6 +8,7 @@ import pytest
 
 from kvdaemon.daemon.reclaim import ASK_AHEAD_S
 from kvdaemon.daemon.shares import LOW_WATER
+from kvdaemon.daemon.tenant import TenantState
 
 from tests.kvdaemon.daemon.test_service import NUM_PAGES, PAGE_BYTES, Harness
 
@@ -113,3 +114,24 @@ def test_the_heartbeat_tells_what_a_grow_ahead_of_need_could_take(h: Harness) ->
     assert heartbeat(h, a, "a")["ahead_bytes"] == (NUM_PAGES - int(NUM_PAGES * LOW_WATER)) * PAGE_BYTES
     fill(h, {"b": 7})  # 2 pages free, 1 of them the low water
     assert heartbeat(h, a, "a")["ahead_bytes"] == 1 * PAGE_BYTES
+
+
+def test_status_gives_every_tenant_the_fair_share_its_heartbeat_is_told(h: Harness) -> None:
+    """Status fills the shares once for all tenants; each row must match the per-tenant answer,
+    minimums, weights, an unattached tenant and a sleeper included."""
+    regs = {
+        "a": h.register("a", weight=3.0),
+        "b": h.register("b", weight=1.0),
+        "g": h.register("g", min_bytes=6 * PAGE_BYTES),
+        "u": h.register("u", leased=False, weight=2.0),
+        "s": h.register("s", weight=0.5),
+    }
+    sleeper = h.service.tenants.find("s")
+    assert sleeper is not None
+    told_awake = heartbeat(h, regs["s"], "s")["fair_bytes"]  # its share as if it were active
+    sleeper.state = TenantState.SLEEPING_COLD
+    rows = {row["name"]: row for row in h.service.status()["tenants"]}
+    told = {name: heartbeat(h, reg, name)["fair_bytes"] for name, reg in regs.items() if name != "s"}
+    assert {name: rows[name]["fair_bytes"] for name in told} == told
+    assert told["g"] == 6 * PAGE_BYTES and told["a"] > told["b"] > 0
+    assert rows["s"]["fair_bytes"] == told_awake

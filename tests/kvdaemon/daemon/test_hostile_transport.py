@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from kvdaemon.client import KVClient
-from kvdaemon.daemon import grants, lease_table
+from kvdaemon.daemon import grants, lease_table, server
 from kvdaemon.errors import KVDaemonError, UnknownTenant
 from kvdaemon.wire.handles import recv_frame
 from kvdaemon.wire.protocol import decode, encode, request
@@ -409,3 +409,31 @@ def test_unread_replies_are_counted_not_logged_one_by_one(
     assert 1 <= len(lines) <= 3, len(lines)
     num_dropped = kvd.daemon.warnings.count("reply")
     assert num_dropped >= num_requests // 2, num_dropped  # most replies could not go out
+
+
+def test_replies_a_peer_leaves_unread_are_dropped_past_a_few(kvd: RunningDaemon) -> None:
+    """Queued replies are bounded in number per peer (not only by ZeroMQ's 1000): a peer
+    asking for big replies it never reads cannot grow the daemon's memory with them."""
+    num_requests = 200
+    with closing(kvd.client()) as client:  # replies of tens of KiB: few fit in socket buffers
+        for i in range(300):
+            client.call("set_limit", {"name": f"{i:04d}" + "n" * 120, "max_bytes": 1 << 22})
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 1)  # this side buffers next to nothing either
+        dealer.setsockopt(zmq.RCVBUF, 4096)
+        dealer.connect(kvd.daemon.paths.control_endpoint)
+        for request_id in range(num_requests):  # never reads a reply
+            dealer.send(request(request_id, "status", {}))
+        marker = {"name": "marker", "spec": small_spec().to_wire(), "num_virtual_pages": 1}
+        dealer.send(request(num_requests, "register", marker))  # served after all the rest
+        with closing(kvd.client()) as client:
+            wait_until(lambda: "marker" in {t["name"] for t in client.status()["tenants"]},
+                     30, "the requests were not served")
+        dealer.close()
+    finally:
+        ctx.term()
+    num_dropped = kvd.daemon.warnings.count("reply")
+    assert num_dropped >= num_requests - 4 * server.CONTROL_SNDHWM, num_dropped
