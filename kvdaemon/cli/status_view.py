@@ -51,6 +51,10 @@ def header_lines(dir: Path, status: dict[str, Any], num_registered: int | None =
         f"capacity {format_bytes(capacity)}, free {format_bytes(free)} ({share}), "
         f"page {format_bytes(status['page_size'])}, {count}",
     ]
+    device_free = status.get("device_free_bytes")
+    if device_free is not None and device_free < free:
+        lines.append(f"device free {format_bytes(device_free)}, under the pool's: held elsewhere (engines' "
+                     "weights, or pages a tenant kept mapped after giving them back); grows past it fail")
     if status.get("quarantined_bytes"):
         lines.append(f"quarantined {format_bytes(status['quarantined_bytes'])}: pages of ended leases "
                      "whose processes may still map them, freed when those processes exit")

@@ -9,6 +9,10 @@ A failed send only marks the connection dead: sends happen inside ops that hold
 the service lock, and ending a lease takes that lock, so the close waits for
 ``close_dead`` at the end of the loop iteration.
 
+A peer whose pid reads 0 (it runs in a pid namespace the daemon cannot see) is
+refused at attach (``FORBIDDEN``, saying why): the daemon could not tell when
+its process is gone, so it could not quarantine what that process still maps.
+
 Hostile peers (same uid: anything else is refused at accept) are bounded:
 
 - fds: the kernel refuses fds sent to the daemon where it can; whatever arrives,
@@ -57,7 +61,7 @@ import zmq
 
 from kvdaemon.daemon.fd_closer import FdCloser
 from kvdaemon.daemon.log_throttle import LogThrottle
-from kvdaemon.errors import BadRequest, Conflict, KVDaemonError
+from kvdaemon.errors import BadRequest, Conflict, Forbidden, KVDaemonError
 from kvdaemon.wire.handles import (
     Outbox, check_same_uid, close_fds, recv_frame, refuse_fds,
 )
@@ -77,6 +81,14 @@ AttachFn = Callable[[str, str, int], int]
 EndLeaseFn = Callable[[int, str, bool], None]
 RequestFn = Callable[[dict[str, Any], Callable[[bytes, bytes], None]], bytes | None]
 """Serves one decoded request with the given reply sink; returns the reply, or None if deferred."""
+
+
+UNSEEN_PEER = (
+    "the handle-socket peer runs in a pid namespace this daemon cannot see (its pid reads 0), so the "
+    "daemon could not tell when its process is gone and could hand its pages to another tenant while "
+    "it still maps them: run the daemon in the host's pid namespace (Kubernetes: hostPID: true; "
+    "docker run --pid=host) or in the engines' own"
+)
 
 
 def fd_budget(soft_limit: int) -> int:
@@ -248,6 +260,8 @@ class LeaseTable:
         try:
             if not isinstance(name, str) or not isinstance(token, str):
                 raise BadRequest("attach needs string fields 'tenant' and 'token'")
+            if conn.pid <= 0:
+                raise Forbidden(UNSEEN_PEER)
             if body.get("channel") == "grants":
                 self._attach_grants(conn, name, token)
                 return

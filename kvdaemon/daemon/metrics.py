@@ -89,6 +89,9 @@ class _StatusCollector:
                      status["capacity_bytes"])  # fmt: skip
         yield _gauge("kvdaemon_free_bytes", "Bytes of the pool not mapped by any tenant.",
                      status["free_bytes"])  # fmt: skip
+        if status.get("device_free_bytes") is not None:
+            yield _gauge("kvdaemon_device_free_bytes", "Bytes the device itself reports free (host backend: "
+                         "RAM available), whoever holds the rest.", status["device_free_bytes"])  # fmt: skip
         yield _gauge("kvdaemon_quarantined_bytes", "Bytes of departed tenants held until their processes "
                      "unmap them.", status.get("quarantined_bytes", 0))  # fmt: skip
         yield _gauge("kvdaemon_retired_bytes", "Bytes of pages whose release failed, never granted again.",

@@ -52,7 +52,7 @@ from kvdaemon.daemon.tenant import (
 )
 from kvdaemon.daemon.tenant_log import ActivityLog, log_registered, log_removed
 from kvdaemon.errors import (
-    BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
+    BackendError, BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
 )
 from kvdaemon.wire.messages import SLEEP_MODES
 from kvdaemon.wire.protocol import (
@@ -439,6 +439,7 @@ class Service:
             "page_size": self.pages.page_size_bytes,
             "capacity_bytes": self.pages.capacity_bytes,
             "free_bytes": self.pages.free_bytes,
+            "device_free_bytes": self._device_free_bytes(),
             "quarantined_bytes": self.quarantine.held_bytes,
             "retired_bytes": self.pages.num_retired * self.pages.page_size_bytes,
             "host_bytes": sum(int(t["host_bytes"]) for t in tenants),
@@ -446,6 +447,15 @@ class Service:
             "tenants": tenants,
             "policies": self.policies.rows(t["name"] for t in tenants),
         }
+
+    def _device_free_bytes(self) -> int | None:
+        """What the device itself has free (host: RAM available), whoever holds it; ``None``
+        when the backend cannot say. One ``cuMemGetInfo`` (host: a ``/proc/meminfo`` read)."""
+        try:
+            return self.backend.mem_info().free_bytes
+        except BackendError as exc:
+            self.warnings.warning("mem_info", "the backend could not say what the device has free: %s", exc)
+            return None
 
     def _tenant_status(self, tenant: Tenant, now: float, fair: dict[int, int]) -> dict[str, object]:
         """A tenant's row, with its fair share (``fair``: the active tenants', by id) and

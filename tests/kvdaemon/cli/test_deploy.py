@@ -66,7 +66,7 @@ def dockerfile() -> list[tuple[str, str]]:
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
 
 
-def test_the_container_runs_the_daemon_as_pid_1_on_a_cuda_base() -> None:
+def test_the_container_runs_the_daemon_as_its_entry_process_on_a_cuda_base() -> None:
     steps = dockerfile()
     keywords = [keyword for keyword, _ in steps]
     assert steps[0][0] == "FROM" and steps[0][1].startswith("nvidia/cuda:")
@@ -122,6 +122,7 @@ def test_the_daemonset_shares_its_directory_and_uid_with_the_serving_pod() -> No
     assert env(serving)["KVDAEMON_DIR"] == directory
     assert host_path(pod_spec, daemon, directory) == host_path(found["Pod"]["spec"], serving, directory)
     assert daemon["securityContext"]["runAsUser"] == serving["securityContext"]["runAsUser"]
+    assert pod_spec["hostPID"] is True  # it sees the serving pods' pids (it refuses those it cannot)
     (init,) = pod_spec["initContainers"]
     assert init["command"][-1] == directory  # created 0700 for the daemon's uid
     assert str(daemon["securityContext"]["runAsUser"]) in init["command"]

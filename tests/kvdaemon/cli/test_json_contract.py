@@ -20,7 +20,7 @@ MiB = 1024 * 1024
 cli = lifecycle_tests.cli  # the fixture: a detached daemon's directory, cleaned up after
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
 STATUS_KEYS = {"dir", "backend", "device", "pid", "version", "uptime_seconds", "page_size",
-               "capacity_bytes", "free_bytes", "quarantined_bytes", "retired_bytes", "host_bytes", "counters", "tenants",
+               "capacity_bytes", "free_bytes", "device_free_bytes", "quarantined_bytes", "retired_bytes", "host_bytes", "counters", "tenants",
                "policies"}  # fmt: skip
 
 

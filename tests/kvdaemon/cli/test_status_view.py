@@ -155,3 +155,13 @@ def test_a_registration_not_attached_is_said_so_and_the_dropped_ones_counted() -
     lines = rendered(status).splitlines()
     assert "3 registration(s) dropped without ever attaching (a client that died, or a flood)" in lines
     assert lines[-1] == "waiting: registered; its handle channel is not attached yet (dropped if it never is)"
+
+
+def test_the_header_says_when_the_device_has_less_free_than_the_pool_counts() -> None:
+    def header(device_free: int | None) -> list[str]:
+        status = {**make_status([make_tenant()]), "device_free_bytes": device_free}
+        return status_view.header_lines(Path("/tmp/kvd"), status)
+
+    (note,) = header(256 * MiB)[2:]
+    assert note.startswith("device free 256.0 MiB, under the pool's: held elsewhere")
+    assert header(1024 * MiB)[2:] == [] and header(None)[2:] == []  # as much as the pool counts, or unknown

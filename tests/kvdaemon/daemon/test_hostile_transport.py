@@ -23,11 +23,11 @@ import zmq
 
 from kvdaemon.client import KVClient
 from kvdaemon.daemon import grants, lease_table, server
-from kvdaemon.errors import KVDaemonError, UnknownTenant
+from kvdaemon.errors import Forbidden, KVDaemonError, UnknownTenant
 from kvdaemon.wire.handles import recv_frame
 from kvdaemon.wire.protocol import decode, encode, request
 
-from tests.conftest import RunningDaemon, short_dir, small_spec, wait_until
+from tests.conftest import RunningDaemon, answers, short_dir, small_spec, wait_until
 
 IO_TIMEOUT_S = 5.0
 LINGER_S = 20  # longer than IO_TIMEOUT_S: a loop that waits it out fails the test
@@ -437,3 +437,43 @@ def test_replies_a_peer_leaves_unread_are_dropped_past_a_few(kvd: RunningDaemon)
         ctx.term()
     num_dropped = kvd.daemon.warnings.count("reply")
     assert num_dropped >= num_requests - 4 * server.CONTROL_SNDHWM, num_dropped
+
+
+# -- pid namespaces ---------------------------------------------------------------------
+
+
+def test_a_peer_whose_pid_the_daemon_cannot_see_is_refused_at_attach(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SO_PEERCRED reads pid 0 for a peer in a pid namespace the daemon cannot see: such a
+    tenant could never be quarantined, so it is refused, saying why."""
+    monkeypatch.setattr(lease_table, "check_same_uid", lambda sock: 0)
+    with closing(kvd.client()) as client:
+        with pytest.raises(Forbidden, match="pid namespace"):
+            client.register("a", small_spec())
+        assert kvd.daemon.leases.leases == {}
+    monkeypatch.undo()
+    with closing(kvd.client()) as client:  # a visible peer attaches as ever
+        client.register("b", small_spec()).close()
+
+
+def test_a_daemon_in_its_own_pid_namespace_refuses_tenants_outside_it() -> None:
+    """The real case: the daemon in a child pid namespace, the tenant in ours."""
+    root = short_dir()
+    cmd = ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-m", "kvdaemon", "start",
+           "--foreground", "--dir", str(root), "--backend", "host", "--capacity", "64MiB"]
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) here")
+    try:
+        wait_until(lambda: answers(root) or proc.poll() is not None, 30, "the daemon did not start")
+        if proc.poll() is not None:
+            pytest.skip(f"cannot make a pid namespace here: {proc.stderr.read()[-300:] if proc.stderr else ''}")
+        with closing(KVClient(root, timeout_s=IO_TIMEOUT_S)) as client:
+            with pytest.raises(Forbidden, match="pid namespace"):
+                client.register("a", small_spec())
+    finally:
+        proc.kill()  # unshare's child, the daemon, dies with it (--kill-child)
+        proc.wait(30)
+        shutil.rmtree(root, ignore_errors=True)

@@ -11,6 +11,8 @@ import msgpack
 import pytest
 
 from kvdaemon.cuda_vmm import HostBackend
+from kvdaemon.cuda_vmm.backend import MemInfo
+from kvdaemon.errors import BackendError
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.daemon.policy_book import PolicyBook
 from kvdaemon.daemon import service as service_module
@@ -253,6 +255,8 @@ def test_garbage_gets_an_error_and_changes_nothing(h: Harness, payload: bytes) -
     after = h.ok("status")
     for row in before["tenants"] + after["tenants"]:
         row.pop("idle_seconds")
+    for whole in (before, after):
+        whole.pop("device_free_bytes")  # the machine's RAM available: not the daemon's to keep
     assert after == before
 
 
@@ -455,3 +459,15 @@ def test_silent_seconds_count_from_a_tenants_last_request_with_its_token(h: Harn
     h.ok("heartbeat", **h.auth("a", reg["token"]))
     h.clock.advance(2)
     assert h.ok("status")["tenants"][0]["silent_seconds"] == 2
+
+
+def test_status_says_what_the_device_itself_has_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = Harness()
+    monkeypatch.setattr(h.backend, "mem_info", lambda: MemInfo(free_bytes=3 * PAGE_BYTES, total_bytes=1 << 40))
+    assert h.service.status()["device_free_bytes"] == 3 * PAGE_BYTES
+
+    def broken() -> MemInfo:
+        raise BackendError("cuMemGetInfo failed", "CUDA_ERROR_UNKNOWN")
+
+    monkeypatch.setattr(h.backend, "mem_info", broken)
+    assert h.service.status()["device_free_bytes"] is None  # unknown, and status still answers
