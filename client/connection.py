@@ -25,11 +25,10 @@ from kvdaemon.client.lease import Lease
 from kvdaemon.client.pool import KVPool
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.client.spec import KVSpec
-from kvdaemon.errors import BadRequest, Conflict, DaemonUnreachable, KVDaemonError, PoolClosed
+from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolClosed
 from kvdaemon.wire.paths import DaemonPaths, default_dir, running_pid
 from kvdaemon.wire.protocol import MAX_VIRTUAL_PAGES, PROTOCOL_VERSION
 
-PROBE_TIMEOUT_S = 0.5  # a pool looking for a restarted daemon waits this long per try
 
 
 class KVClient:
@@ -44,6 +43,7 @@ class KVClient:
         self._channel = ControlChannel(self.paths, timeout_s, alive=self._same_daemon)
         self._lock = threading.Lock()
         self._backend: Any = None
+        self._backend_lock = threading.Lock()  # threads registering at once open one backend
         self._open_pools: dict[int, KVPool] = {}  # id() -> pools registered here, not yet closed
         self._closed = False
 
@@ -141,8 +141,11 @@ class KVClient:
 
         When the tenant is a pool of this client, returns once the pool has mapped them.
         """
-        result = self.call("wake", {"name": name}, timeout_s=timeout_s)
         own = self._own_pool(name)
+        args: dict[str, Any] = {"name": name}
+        if own is not None:  # its owner's word, as for sleep (the daemon's log says who woke it)
+            args["token"] = own.lease.token
+        result = self.call("wake", args, timeout_s=timeout_s)
         if own is not None:
             own.wait_state(lambda s: not (s.asleep or s is PoolState.SLEEP_PENDING), timeout_s)
         return result
@@ -150,9 +153,10 @@ class KVClient:
     def _own_pool(self, name: str) -> KVPool | None:
         return next((p for p in list(self._open_pools.values()) if p.name == name), None)
 
-    def shutdown(self) -> None:
-        """Ask the daemon to exit (tenants keep their pages and wait for the next one)."""
-        self.call("shutdown")
+    def shutdown(self) -> list[dict[str, Any]]:
+        """Ask the daemon to exit (tenants keep their pages and wait for the next one).
+        Returns the warm sleepers whose KV dies with it (``name``, ``host_bytes``)."""
+        return list(self.call("shutdown").get("dropped_warm", []))
 
     def register(
         self,
@@ -215,21 +219,11 @@ class KVClient:
         self, name: str, spec: KVSpec, num_virtual_pages: int, limits: dict[str, Any], page_bytes: int,
     ) -> Lease:
         """Register ``name`` again with a daemon that answers now (after a restart). ``Conflict``
-        (nothing registered) when its pages are not ``page_bytes``: the pool's layout is built
-        on them, so its KV cannot move there."""
-        probe = ControlChannel(self.paths, PROBE_TIMEOUT_S)
-        try:
-            info = probe.call("hello", {"version": PROTOCOL_VERSION})
-        finally:
-            probe.close()
-        if info.get("page_size") != page_bytes:
-            raise Conflict(
-                f"the daemon now running has pages of {info.get('page_size')} bytes, this pool's are "
-                f"{page_bytes}: it cannot move there; restart the daemon with --page-size {page_bytes}"
-            )
+        (nothing registered; the daemon logs it too) when its pages are not ``page_bytes``: the
+        pool's layout is built on them, so its KV cannot move there."""
         with self._lock:
             self.daemon_info = None
-        return self.lease(name, spec, num_virtual_pages=num_virtual_pages, **limits)
+        return self.lease(name, spec, num_virtual_pages=num_virtual_pages, page_size=page_bytes, **limits)
 
     def _pool_closed(self, pool: KVPool) -> None:
         """Called by ``KVPool.close``: the last pool of a closed client closes the backend."""
@@ -252,11 +246,13 @@ class KVClient:
         min_bytes: int = 0,
         weight: float = 1.0,
         sleepable: bool = False,
+        page_size: int | None = None,
     ) -> Lease:
         """Register a tenant and attach its handle channel; return its ``Lease``.
 
         ``num_virtual_pages`` is how many logical pages the caller's reserved
-        ranges hold. Raises ``Conflict`` if the name is taken.
+        ranges hold. Raises ``Conflict`` if the name is taken, or where
+        ``page_size`` (the pages a layout is already built on) is not the daemon's.
         """
         args: dict[str, Any] = {
             "name": name, "spec": spec.to_wire(), "num_virtual_pages": num_virtual_pages,
@@ -264,6 +260,8 @@ class KVClient:
         }
         if max_bytes is not None:
             args["max_bytes"] = max_bytes
+        if page_size is not None:
+            args["page_size"] = page_size
         reply = self.call("register", args)
         lease = Lease(self.paths, self.timeout_s, self.backend(), name, reply)
         try:
@@ -275,15 +273,17 @@ class KVClient:
         return lease
 
     def backend(self) -> Any:
-        """This process's importer backend, matching the daemon's (opened once)."""
-        if self._backend is None:
-            from kvdaemon.cuda_vmm import open_backend
+        """This process's importer backend, matching the daemon's (opened once, whichever
+        threads ask at once)."""
+        with self._backend_lock:
+            if self._backend is None:
+                from kvdaemon.cuda_vmm import open_backend
 
-            info = self.daemon_info or self.hello()
-            self._backend = open_backend(
-                info["backend"], page_size_bytes=info["page_size"], device=info["device"]
-            )
-        return self._backend
+                info = self.daemon_info or self.hello()
+                self._backend = open_backend(
+                    info["backend"], page_size_bytes=info["page_size"], device=info["device"]
+                )
+            return self._backend
 
     def close(self) -> None:
         """Close the socket. Pools registered here stay usable until closed; the

@@ -44,6 +44,8 @@ class GrantChannel:
         self._outstanding: set[int] = set()
         self._late: dict[int, tuple[dict[str, Any], list[Frame]]] = {}
         self._frames: list[Frame] = []  # read, waiting for the reply they precede
+        self._poller = select.poll()  # not select.select: its fds must be under FD_SETSIZE (1024)
+        self._poller.register(sock, select.POLLIN)
 
     @classmethod
     def open(cls, path: str, attach: dict[str, Any], timeout_s: float, alive: Callable[[], bool]) -> GrantChannel:
@@ -124,7 +126,7 @@ class GrantChannel:
         """Read frames until the reply to ``request_id``; keep outstanding ones. Lock held."""
         while True:
             left = deadline - time.monotonic()
-            ready, _, _ = select.select([self._sock], [], [], max(0.0, min(left, ALIVE_POLL_S)))
+            ready = self._poller.poll(1000 * max(0.0, min(left, ALIVE_POLL_S)))  # poll: any fd number
             if not ready:
                 if not self._alive():
                     raise DaemonUnreachable("the daemon went away during a grant request")

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import statistics
+import sys
 import time
 
 import torch
@@ -76,15 +78,14 @@ def main() -> None:
     model = build_model(opts.arch, opts.seed)
     freeze_heap()  # start-up is done: no full collection walks the model mid-forward
     rng = random.Random(opts.seed)
-    with KVClient(opts.dir) as client:
-        pool = client.register(opts.name, kv_spec_for(model, block_size=16))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill`: unregister on the way out
+    with KVClient(opts.dir) as client, client.register(opts.name, kv_spec_for(model, block_size=16)) as pool:
         with Engine(model, pool) as engine:
             for round_no in range(1, opts.rounds + 1):
                 print(f"[{opts.name}] round {round_no}: {serve_round(engine, pool, rng, opts.requests)}", flush=True)
                 if round_no < opts.rounds:
                     print(f"[{opts.name}] idle for {opts.pause_s:.0f} s", flush=True)
                     time.sleep(opts.pause_s)
-        pool.close()
 
 
 if __name__ == "__main__":

@@ -82,6 +82,10 @@ kvdaemon start --foreground --config /etc/kvdaemon/kvdaemon.toml   # under syste
 @click.option("--reclaim-sleep/--no-reclaim-sleep", default=None,
               help="Warm-sleep an idle tenant when a grow cannot be served otherwise "
                    "[default: on].")
+@click.option("--warm-memory", metavar="SIZE",
+              help="Host memory the KV of warm sleepers may take: bytes, 64GiB, or 50% of RAM; past it "
+                   "a warm sleep asked of the daemon is refused and its own sleeps go cold "
+                   "[default: 50%].")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
               help="Logging level [default: INFO].")
 @click.option("--log-file", metavar="PATH",
@@ -117,6 +121,7 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
         "capacity_bytes": info["capacity_bytes"], "capacity_asked_bytes": wanted, "page_size": info["page_size"],
         "log_file": str(config.log_file or config.paths.log_file),
         "metrics_address": config.metrics_address,
+        "metrics_url": f"http://{config.metrics_address}/metrics" if config.metrics_address else None,
     }  # fmt: skip
     rounded = ""
     if wanted is not None and wanted != info["capacity_bytes"]:
@@ -131,9 +136,15 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
     ))  # fmt: skip
 
 
+STOP_STATUSES = (
+    "Exit status: 0 stopped, or none was running; 2 usage or configuration error; 3 it did not "
+    "exit within --timeout; 4 a daemon runs but does not answer and could not be signalled."
+)
+
+
 @main.command(
     short_help="Stop the daemon gracefully; a no-op when none runs.",
-    epilog=command_help("kvdaemon stop && echo stopped"),
+    epilog=command_help("kvdaemon stop && echo 'none runs there now'", STOP_STATUSES),
 )
 @daemon_options
 @click.option("--timeout", "timeout_s", type=SecondsParam(min=0.1), default=30.0,
@@ -154,8 +165,11 @@ def stop(dir_flag: Path | None, config_file: Path | None, as_json: bool, timeout
         text = f"kvdaemon at {root} did not answer; stopped it with SIGTERM (pid {stopped.pid})"
     else:
         text = f"kvdaemon at {root} stopped (pid {stopped.pid})"
+    if stopped.dropped_warm:
+        names = ", ".join(f"{t['name']} ({format_bytes(int(t['host_bytes']))})" for t in stopped.dropped_warm)
+        text += f"; the warm KV of {names} died with it: they wake with an empty cache"
     result = {"dir": str(root), "pid": stopped.pid, "stopped": stopped.pid is not None,
-              "signalled": stopped.signalled}  # fmt: skip
+              "signalled": stopped.signalled, "dropped_warm": list(stopped.dropped_warm)}  # fmt: skip
     emit(as_json, result, text)
 
 

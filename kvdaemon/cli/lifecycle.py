@@ -93,6 +93,7 @@ def ready_object(daemon: Daemon) -> dict[str, object]:
         "dir": str(daemon.paths.root), "pid": os.getpid(), "version": __version__, "ready": True,
         "backend": status["backend"], "device": daemon.config.device,
         "capacity_bytes": status["capacity_bytes"], "page_size": status["page_size"],
+        "metrics_address": daemon.config.metrics_address,
         "metrics_url": daemon.metrics.url if daemon.metrics is not None else None,
     }  # fmt: skip
 

@@ -122,10 +122,10 @@ def _json_usage(ctx: click.Context, err: click.UsageError) -> None:
         fail_usage(err.format_message(), as_json=True)
 
 
-def command_help(example: str) -> str:
+def command_help(example: str, statuses: str = EPILOG) -> str:
     """A command's epilog: an example (kept as written) and the exit statuses."""
     lines = "\n".join(f"  {line}" for line in example.strip().splitlines())
-    return f"\b\nExample:\n{lines}\n\n{EPILOG}"
+    return f"\b\nExample:\n{lines}\n\n{statuses}"
 
 
 class DirParam(click.Path):

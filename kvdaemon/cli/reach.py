@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -83,6 +84,7 @@ class Stopped:
 
     pid: int | None
     signalled: bool = False
+    dropped_warm: tuple[dict[str, Any], ...] = ()  # warm sleepers whose KV died with it
 
 
 def stop(dir: Path, timeout_s: float = 30.0) -> Stopped:  # noqa: A002
@@ -98,7 +100,7 @@ def stop(dir: Path, timeout_s: float = 30.0) -> Stopped:  # noqa: A002
     try:
         with talking(dir, timeout_s=min(timeout_s, CONTROL_TIMEOUT_S)) as client:
             pid = int(client.hello()["pid"])
-            client.shutdown()
+            dropped = tuple(client.shutdown())
         signalled = False
     except NotAnswering:
         pid = running_pid(paths) or 0
@@ -107,12 +109,12 @@ def stop(dir: Path, timeout_s: float = 30.0) -> Stopped:  # noqa: A002
         log.warning("kvdaemon %d at %s does not answer; sending SIGTERM", pid, dir)
         os.kill(pid, signal.SIGTERM)
         os.kill(pid, signal.SIGCONT)  # a stopped (SIGSTOP) daemon handles the TERM once it runs
-        signalled = True
+        signalled, dropped = True, ()
     except DaemonUnreachable:
         return Stopped(None)
     if not _wait_exited(paths, pid, timeout_s):
         raise LifecycleError(f"kvdaemon (pid {pid}) at {dir} did not exit within {timeout_s:g} s")
-    return Stopped(pid, signalled)
+    return Stopped(pid, signalled, dropped)
 
 
 def _holds_lock(pid: int, paths: DaemonPaths) -> bool:

@@ -61,6 +61,15 @@ def header_lines(dir: Path, status: dict[str, Any], num_registered: int | None =
     if status.get("retired_bytes"):
         lines.append(f"retired {format_bytes(status['retired_bytes'])}: pages whose release failed, never "
                      "granted again (see the daemon's log); restart the daemon to get them back")
+    settings = status.get("settings") or {}
+    if status.get("host_bytes"):
+        bound = settings.get("warm_memory_bytes")
+        allowed = f" of {format_bytes(bound)} allowed" if bound is not None else ""
+        lines.append(f"host memory {format_bytes(status['host_bytes'])}{allowed}: the KV of warm sleepers")
+    idle_sleep_s = settings.get("idle_sleep_s")
+    if idle_sleep_s is not None:
+        mode = status["settings"].get("idle_mode", "warm")
+        lines.append(f"idle tenants sleep {mode} after {format_duration(float(idle_sleep_s))}")
     never = int(status.get("counters", {}).get("never_attached", 0))
     if never:
         lines.append(f"{never} registration(s) dropped without ever attaching (a client that died, or a flood)")
@@ -144,6 +153,10 @@ def tenant_notes(tenant: dict[str, Any]) -> list[str]:
     if tenant.get("short") is True and tenant.get("fair_bytes") is not None:
         notes.append(f"short of memory now ({format_bytes(int(tenant['mapped_bytes']))} held, "
                      f"fair share {format_bytes(int(tenant['fair_bytes']))})")
+    unpaid = int(tenant.get("unpaid_reclaims", 0))
+    if unpaid:
+        notes.append(f"gave nothing back for {unpaid} urgent reclaim ask(s) ({format_bytes(int(tenant['mapped_bytes']))}"
+                     f" held): it ignores them, or all its blocks were in use")
     if cannot_sleep(tenant):
         notes.append("cannot be slept (no quiesce hook)")
     if is_silent(tenant):

@@ -262,31 +262,36 @@ def wake(name: str, dir_flag: Path | None, config_file: Path | None, as_json: bo
     epilog=command_help("""
 kvdaemon wait llama-a qwen-b --timeout 120
 kvdaemon sleep llama-a && kvdaemon wait llama-a --state active   # until its engine wakes it
-kvdaemon wait llama-a --idle 300 && kvdaemon sleep llama-a
+kvdaemon wait llama-a --sleepable --idle 300 && kvdaemon sleep llama-a
 """),
 )
 @click.argument("names", nargs=-1, required=True, metavar="NAME...", type=TenantNameParam())
 @click.option("--timeout", "timeout_s", type=SecondsParam(min=0), default=60.0,
               show_default=True, metavar="SECONDS", help="Give up after this long (exit 5).")
 @click.option("--idle", "idle_s", type=SecondsParam(min=0), metavar="SECONDS",
-              help="Also wait until each has gone this long without its blocks changing.")
+              help="Also wait until each has gone this long without its blocks changing "
+                   "(counted from registration: add --sleepable to wait for its engine too).")
+@click.option("--sleepable", is_flag=True,
+              help="Also wait until each one's engine can be quiesced, so `kvdaemon sleep` takes it.")
 @click.option("--state", type=click.Choice(("active", "sleeping-warm", "sleeping-cold")),
               help="Also wait until each is in this state.")
 @daemon_options
 @reporting
 def wait_command(names: tuple[str, ...], timeout_s: float, idle_s: float | None,
-                 state: str | None, dir_flag: Path | None, config_file: Path | None,
+                 state: str | None, sleepable: bool, dir_flag: Path | None, config_file: Path | None,
                  as_json: bool) -> None:  # fmt: skip
     """Wait until every tenant NAME has registered with the daemon (and, with
-    --state, is in that state; with --idle, has been idle that long).
+    --state, is in that state; with --sleepable, its engine can be quiesced;
+    with --idle, has been idle that long).
 
     Exits 0 once they have, 5 (TIMEOUT) if they have not within --timeout,
     1 when no daemon runs.
     """
     root = daemon_dir(dir_flag, config_file)
     with reach.talking(root) as client:
-        result = wait_for_tenants(client, list(dict.fromkeys(names)), timeout_s, idle_s, state)
+        result = wait_for_tenants(client, list(dict.fromkeys(names)), timeout_s, idle_s, state, sleepable)
     what = "registered" if state is None else state
+    what += ", sleepable" if sleepable else ""
     idle = f" and idle for {idle_s:g} s" if idle_s is not None else ""
     emit(as_json, result, f"{', '.join(dict.fromkeys(names))}: {what}{idle} "
                           f"(waited {result['waited_s']:.1f} s)")  # fmt: skip

@@ -3,9 +3,12 @@ are in a given state, or have been idle a while).
 
 Polls ``status`` every ``POLL_S`` (one round trip each) until every name is
 registered and, with ``state``, in that state (``active`` after an engine woke
-itself), and, with ``idle_s``, has gone ``idle_s`` seconds without its blocks
-changing (the status's ``idle_seconds``; a slow engine's single step can look
-idle too). Raises ``WaitTimeout`` naming what is still missing.
+itself), with ``sleepable``, its engine can be quiesced (``kvdaemon sleep``
+would take it: an ``Engine`` says so once it is built), and, with ``idle_s``,
+has gone ``idle_s`` seconds without its blocks changing (the status's
+``idle_seconds``, counted from registration: an engine still loading its model
+looks idle; a slow engine's single step can too). Raises ``WaitTimeout``
+naming what is still missing.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ def wait_for_tenants(
     timeout_s: float,
     idle_s: float | None = None,
     state: str | None = None,
+    sleepable: bool = False,
 ) -> dict[str, Any]:
     """Return ``{"tenants": [their status rows, in the order of names], "waited_s": s}``."""
     started = time.monotonic()
     deadline = started + timeout_s
     while True:
         rows = {str(t["name"]): t for t in client.status()["tenants"]}
-        pending = _pending(names, rows, idle_s, state)
+        pending = _pending(names, rows, idle_s, state, sleepable)
         now = time.monotonic()
         if not pending:
             return {"tenants": [rows[name] for name in names], "waited_s": round(now - started, 3)}
@@ -41,7 +45,7 @@ def wait_for_tenants(
 
 
 def _pending(
-    names: list[str], rows: dict[str, Any], idle_s: float | None, state: str | None
+    names: list[str], rows: dict[str, Any], idle_s: float | None, state: str | None, sleepable: bool
 ) -> list[str]:
     """What each name still waits for, as phrases (empty when all are there)."""
     pending = []
@@ -50,6 +54,8 @@ def _pending(
             pending.append(f"{name} has not registered")
         elif state is not None and rows[name]["state"] != state:
             pending.append(f"{name} is {rows[name]['state']}, not {state}")
+        elif sleepable and not rows[name].get("sleepable"):
+            pending.append(f"{name}'s engine cannot be quiesced yet (not built, or it has no quiesce hook)")
         elif idle_s is not None and rows[name]["idle_seconds"] < idle_s:
             pending.append(
                 f"{name} has been idle {rows[name]['idle_seconds']:.1f} s, not {idle_s:g} s"

@@ -54,6 +54,7 @@ class DaemonConfig:
     idle_sleep_s: float | None = None
     idle_mode: str = "warm"
     reclaim_sleep: bool = True
+    warm_memory: SizeSpec = field(default_factory=lambda: percent_of(50))  # of RAM: warm sleepers' KV
     log_level: str = "INFO"
     log_file: Path | None = None
     # Timing knobs of the daemon's exchanges (programmatic only: no flags, kept by
@@ -70,6 +71,7 @@ class DaemonConfig:
         values.check_backend(self.backend)
         values.check_device(self.device, self.backend)
         values.check_capacity(self.capacity)
+        values.check_warm_memory(self.warm_memory)
         values.check_page_size(self.page_size_bytes)
         values.check_host(self.metrics_host)
         values.check_port(self.metrics_port)
@@ -126,6 +128,8 @@ class DaemonConfig:
         ]  # fmt: skip
         if self.metrics_address is not None:
             argv += ["--metrics-address", self.metrics_address]
+        if self.warm_memory != percent_of(50):
+            argv += ["--warm-memory", str(self.warm_memory)]
         if self.idle_sleep_s is not None:
             argv += ["--idle-sleep", repr(self.idle_sleep_s), "--idle-mode", self.idle_mode]
         if not self.reclaim_sleep:
@@ -198,12 +202,13 @@ def _rank(key: str, source: str) -> int:
 
 def dir_from(flag: str | Path | None, env: Mapping[str, str], file: Path | None = None) -> Path:
     """The daemon directory alone: ``flag`` > ``KVDAEMON_DIR`` in ``env`` > ``dir`` in
-    the TOML ``file`` > the default. Other keys of the file are checked by name only."""
+    the TOML ``file`` > the default. The file is read whichever wins (a file that cannot
+    be read or parsed is a ``ConfigError``); its other keys are checked by name only."""
+    file_values = _read_toml(file)[0] if file is not None else {}
     if flag is not None:
         return _parse_from("--dir", values.parse_dir, flag)
     if env.get("KVDAEMON_DIR"):
         return _parse_from("KVDAEMON_DIR", values.parse_dir, env["KVDAEMON_DIR"])
-    file_values = _read_toml(file)[0] if file is not None else {}
     if "dir" in file_values:
         return _parse_from(f"{file}: dir", values.parse_dir, file_values["dir"][1])
     return values.parse_dir(default_dir())
@@ -305,6 +310,7 @@ KEYS: dict[str, _Key] = {
         _key("idle-sleep", "idle_sleep_s", values.parse_idle_sleep),
         _key("idle-mode", "idle_mode", values.parse_idle_mode),
         _key("reclaim-sleep", "reclaim_sleep", values.parse_reclaim_sleep),
+        _key("warm-memory", "warm_memory", values.parse_warm_memory),
         _key("log-level", "log_level", values.parse_log_level),
         _key("log-file", "log_file", values.parse_log_file),
     )

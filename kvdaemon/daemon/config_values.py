@@ -65,6 +65,10 @@ def parse_capacity(raw: Any) -> SizeSpec:
     return check_capacity(raw if isinstance(raw, SizeSpec) else parse_size(raw))
 
 
+def parse_warm_memory(raw: Any) -> SizeSpec:
+    return check_warm_memory(raw if isinstance(raw, SizeSpec) else parse_size(raw))
+
+
 def parse_page_size(raw: Any) -> int:
     spec = parse_size(raw)
     if spec.is_percent:
@@ -218,6 +222,13 @@ def check_capacity(capacity: SizeSpec) -> SizeSpec:
     if (capacity.percent if capacity.is_percent else capacity.exact_bytes) == 0:
         raise ConfigError(f"capacity must be more than zero, got {capacity}")
     return capacity
+
+
+def check_warm_memory(warm_memory: SizeSpec) -> SizeSpec:
+    """Host memory warm sleepers' KV may take: a size, or a percentage of RAM (0: none)."""
+    if not isinstance(warm_memory, SizeSpec):
+        raise ConfigError(f"warm memory must be a size, got {warm_memory!r}")
+    return warm_memory
 
 
 def check_page_size(page_size_bytes: int) -> int:

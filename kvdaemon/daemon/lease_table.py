@@ -91,6 +91,11 @@ UNSEEN_PEER = (
 )
 
 
+def _channel(conn: Conn) -> str:
+    """``handle channel`` or ``grant channel``: which of a tenant's connections, for the log."""
+    return "grant channel" if conn.grants else "handle channel"
+
+
 def fd_budget(soft_limit: int) -> int:
     """The fds the handle channel may hold under ``soft_limit``.
 
@@ -240,10 +245,10 @@ class LeaseTable:
             if conn.tenant_id is None or conn.grants:  # a peer waiting for a reply is told why
                 conn.outbox.push({"ok": False, "error": {"code": exc.code, "message": exc.message}})
                 self.flush(conn)
-            self.close(conn, f"handle channel closed: {exc}")
+            self.close(conn, f"{_channel(conn)} closed: {exc}")
             return
         except (ConnectionError, OSError) as exc:
-            self.close(conn, f"handle channel closed: {exc}")
+            self.close(conn, f"{_channel(conn)} closed: {exc}")
             return
         self._closer.close_fds(fds)  # clients never send fds
         if conn.grants:
@@ -395,7 +400,7 @@ class LeaseTable:
             self.grant_conns.pop(conn.tenant_id, None)  # type: ignore[arg-type]
             lease = self.leases.get(conn.tenant_id)  # type: ignore[arg-type]
             if lease is not None:
-                self.close(lease, f"its grant channel closed: {why}", expired)
+                self.close(lease, why, expired)
         elif conn.tenant_id is not None:
             self.leases.pop(conn.tenant_id, None)
             grant_conn = self.grant_conns.get(conn.tenant_id)

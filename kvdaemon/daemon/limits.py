@@ -195,6 +195,7 @@ class Limiter:
         tenant = plan.tenant
         before = tenant.current_limits()
         commit_limit(plan)
+        self.tenants.changed()  # a weight or minimum moves the fair shares
         if plan.changed:
             notify(self.leases, tenant.tenant_id, LimitNotice(**tenant.limits()))
             self.grants.ask_back_excess(tenant)

@@ -122,6 +122,10 @@ def _tenant_gauges(tenants: list[dict[str, Any]]) -> Iterator[GaugeMetricFamily]
         "kvdaemon_tenant_refused_grows", "Grows of a tenant refused (by the daemon, or by its pool past its "
         "limit) since it registered.", labels=["tenant"],
     )  # fmt: skip
+    unpaid = CounterMetricFamily(
+        "kvdaemon_tenant_unpaid_reclaims", "Urgent reclaim asks to a tenant that lapsed with nothing given "
+        "back, since it registered.", labels=["tenant"],
+    )  # fmt: skip
     for tenant in tenants:
         name = [str(tenant["name"])]
         mapped.add_metric(name, tenant["mapped_bytes"])
@@ -129,7 +133,8 @@ def _tenant_gauges(tenants: list[dict[str, Any]]) -> Iterator[GaugeMetricFamily]
         if tenant.get("max_bytes") is not None:
             limit.add_metric(name, tenant["max_bytes"])
         refused.add_metric(name, tenant.get("refused_grows", 0))
-    yield from (mapped, used, limit, refused)
+        unpaid.add_metric(name, tenant.get("unpaid_reclaims", 0))
+    yield from (mapped, used, limit, refused, unpaid)
 
 
 def _sleep_and_reclaim(status: dict[str, Any]) -> Iterator[Metric]:

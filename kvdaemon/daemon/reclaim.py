@@ -71,12 +71,15 @@ from typing import Any
 
 from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.device_pages import DevicePages
+from kvdaemon.daemon.log_throttle import LogThrottle
 from kvdaemon.daemon.ports import LeasePort, notify
+from kvdaemon.daemon.reclaim_debt import LAPSE_S
 from kvdaemon.daemon.reply import PendingReply
 from kvdaemon.daemon.shares import Shares, held_pages
 from kvdaemon.daemon.sleep import Sleeper
 from kvdaemon.daemon.tenant import Tenant, Tenants, TenantState
 from kvdaemon.errors import KVDaemonError, NoMemory, UnknownTenant
+from kvdaemon.wire.sizes import format_bytes
 from kvdaemon.wire.messages import FreeNotice, ReclaimNotice
 
 log = logging.getLogger("kvdaemon.reclaim")
@@ -119,6 +122,7 @@ class Reclaimer:
         self.sleep_victims = sleep_victims
         self.parked: list[ParkedGrow] = []
         self.num_reclaim_requests = 0
+        self.warnings = LogThrottle(log)  # unpaid reclaim debts: one line a while
         self.num_asks_ahead = 0
         self._next_ask_ahead = float("-inf")
 
@@ -136,12 +140,12 @@ class Reclaimer:
         """
         if sum(p.tenant_id == tenant.tenant_id for p in self.parked) >= MAX_PARKED_PER_TENANT:
             return False
-        tenant.starved_at, tenant.starved_pages = now, min_pages * tenant.spec.num_segments
+        self.shares.starve(tenant, now, min_pages * tenant.spec.num_segments)
         short = self._short(tenant, min_pages)
         victims = self._victims(tenant, now)
         if sum(pages for _, pages in victims) < short:
             return False
-        self._ask(victims, short, stop_when_covered=True)
+        self._ask(victims, short, now, stop_when_covered=True)
         if wait_s <= 0:
             return False
         self.parked.append(
@@ -153,7 +157,8 @@ class Reclaimer:
         return min_pages * tenant.spec.num_segments - self.pages.num_free
 
     def _ask(
-        self, victims: list[tuple[Tenant, int]], short: int, stop_when_covered: bool, urgent: bool = True
+        self, victims: list[tuple[Tenant, int]], short: int, now: float, stop_when_covered: bool,
+        urgent: bool = True,
     ) -> None:
         """Send reclaim notices for ``short`` pages, best victim first (``urgent``: for a real
         need, what a victim cannot give now it owes; else only what it can give now)."""
@@ -164,6 +169,8 @@ class Reclaimer:
             ask = min(pages_above_min, max(remaining, 1))
             num_logical = -(-ask // victim.spec.num_segments)
             notify(self.leases, victim.tenant_id, ReclaimNotice(num_logical, urgent))
+            if urgent:
+                victim.debt.ask(num_logical, now)
             self.num_reclaim_requests += 1
             remaining -= num_logical * victim.spec.num_segments
 
@@ -179,7 +186,7 @@ class Reclaimer:
                   for t, pages in self._victims(None, now)]
         victims = sorted((v for v in capped if v[1] > 0), key=lambda v: v[1] / v[0].weight, reverse=True)
         if victims:
-            self._ask(victims, short, stop_when_covered=True, urgent=False)
+            self._ask(victims, short, now, stop_when_covered=True, urgent=False)
             self.num_asks_ahead += 1
 
     def tell_free(self, now: float) -> None:
@@ -189,7 +196,7 @@ class Reclaimer:
         not taken by the next pass may be told to the next one (nothing holds them for it).
         O(tenants^2) when pages are free and someone waits, O(tenants) otherwise."""
         num_free = self.pages.num_free
-        if not num_free:
+        if not num_free or not self.shares.anyone_short(now):
             return
         waiting = [t for t in self.tenants if t.told_free_at < t.starved_at and self.shares.is_short(t, now)
                    and t.state is TenantState.ACTIVE and t.leased]
@@ -238,7 +245,7 @@ class Reclaimer:
                 tenant.note_refused(exc.code, parked.min_pages, self.pages.free_bytes)
                 parked.waiter.fail(exc)
                 return True
-            tenant.starved_at = now  # still short while it waits, however long past STARVED_S
+            self.shares.starve(tenant, now)  # still short while it waits, however long past STARVED_S
             self._escalate(parked, tenant, now)
             return False
         except KVDaemonError as exc:
@@ -259,7 +266,7 @@ class Reclaimer:
             self._ask_all(parked, tenant, now)  # so what victims owe does not lapse while it waits
 
     def _ask_all(self, parked: ParkedGrow, tenant: Tenant, now: float) -> None:
-        self._ask(self._victims(tenant, now), self._short(tenant, parked.min_pages), stop_when_covered=False)
+        self._ask(self._victims(tenant, now), self._short(tenant, parked.min_pages), now, stop_when_covered=False)
         parked.asked_at = now
 
     def _sleep_a_victim(self, requester: Tenant, now: float) -> bool:
@@ -282,6 +289,21 @@ class Reclaimer:
         for parked in self.parked:
             parked.waiter.fail(error)
         self.parked = []
+
+    def settle_debts(self, now: float) -> None:
+        """End the reclaim debts whose asks lapsed (``reclaim_debt``); log the unpaid ones
+        (one line a while, the rest counted). O(tenants)."""
+        for t in self.tenants:
+            if not t.debt.owed_pages:
+                continue
+            if t.state is not TenantState.ACTIVE:
+                t.debt.forgive()  # asleep: every page went back
+            elif t.debt.lapse(now):
+                self.warnings.warning("unpaid", "tenant %s gave nothing back for %.0f s after urgent reclaim "
+                                      "asks (holds %s, fair share %s): it ignores them, or every block of "
+                                      "it was in use", t.name, LAPSE_S, format_bytes(t.mapped_bytes),
+                                      format_bytes(self.shares.fair_pages(t) * t.page_size_bytes))  # fmt: skip
+        self.warnings.flush()
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -107,9 +107,11 @@ class Daemon:
         if cfg.metrics_port:
             self.metrics = Metrics(cfg.metrics_port, self._snapshot, host=cfg.metrics_host)
             self.metrics.start()
+        idle = "off" if cfg.idle_sleep_s is None else f"{cfg.idle_mode} after {cfg.idle_sleep_s:g} s"
         log.info(
-            "kvdaemon serving at %s: backend %s, %d pages of %d bytes",
-            self.paths.root, kind, num_pages, cfg.page_size_bytes,
+            "kvdaemon serving at %s: backend %s, %d pages of %d bytes; idle sleep %s; reclaim %s idle tenants",
+            self.paths.root, kind, num_pages, cfg.page_size_bytes, idle,
+            "may sleep" if cfg.reclaim_sleep else "never sleeps",
         )
 
     def _bind_control(self) -> None:

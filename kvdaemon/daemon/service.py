@@ -32,6 +32,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import psutil
+
 from kvdaemon import __version__
 from kvdaemon.cuda_vmm.backend import Backend
 from kvdaemon.daemon.config import DaemonConfig
@@ -48,7 +50,7 @@ from kvdaemon.daemon.shares import Shares
 from kvdaemon.daemon.sleep import MAX_CACHED_BUFFER_BYTES, Sleeper
 from kvdaemon.daemon.log_throttle import LogThrottle
 from kvdaemon.daemon.tenant import (
-    MAX_TENANTS, MAX_UNATTACHED, MAX_UNATTACHED_PER_CONN, Tenant, Tenants, WireSpec, check_name,
+    MAX_TENANTS, MAX_UNATTACHED, MAX_UNATTACHED_PER_CONN, Tenant, Tenants, TenantState, WireSpec, check_name,
 )
 from kvdaemon.daemon.tenant_log import ActivityLog, log_registered, log_removed
 from kvdaemon.errors import (
@@ -92,7 +94,10 @@ class Service:
         self.shares = Shares(self.tenants, self.pages.num_pages)
         self.grants = Grants(self.pages, leases, on_grant, on_shrink, shares=self.shares)
         self.quarantine = Quarantine(self.grants)
-        self.sleeper = Sleeper(self.tenants, self.grants, backend, leases, self.config.sleep_timeout_s)
+        self.sleeper = Sleeper(
+            self.tenants, self.grants, backend, leases, self.config.sleep_timeout_s, self.clock,
+            max_host_bytes=self.config.warm_memory.resolve(psutil.virtual_memory().total),
+        )
         self.reclaimer = Reclaimer(
             self.tenants, self.shares, self.pages, self.grants, leases, self.sleeper,
             wait_s=self.config.reclaim_wait_s, escalate_s=self.config.reclaim_escalate_s,
@@ -187,6 +192,18 @@ class Service:
         }
 
     def op_register(self, args: Args, call: Call) -> dict[str, Any]:
+        """Register a tenant; a refusal is logged too (an operator asking why an engine did
+        not start finds it in the daemon's log), one line per error code a while."""
+        try:
+            return self._register(args, call)
+        except KVDaemonError as exc:
+            name = args.raw("name")
+            shown = repr(name)[:80] if isinstance(name, str) else "(no name)"
+            self.warnings.warning(f"register:{exc.code}", "registration of tenant %s refused (%s): %s",
+                                  shown, exc.code, exc.message)  # fmt: skip
+            raise
+
+    def _register(self, args: Args, call: Call) -> dict[str, Any]:
         name = check_name(args.str("name"))
         spec = WireSpec.parse(args.map("spec"))
         num_virtual_pages = args.int("num_virtual_pages", 1, MAX_VIRTUAL_PAGES)
@@ -197,6 +214,12 @@ class Service:
         )
         pid = args.int("pid", 0, 1 << 31, default=0)
         sleepable = args.bool("sleepable")
+        built_on = args.opt_int("page_size", 1, MAX_INT)  # a pool rejoining: its layout's pages
+        if built_on is not None and built_on != self.pages.page_size_bytes:
+            raise Conflict(
+                f"tenant {name!r} has its KV laid out on pages of {built_on} bytes, this daemon's are "
+                f"{self.pages.page_size_bytes}: it cannot move here; restart the daemon with --page-size {built_on}"
+            )
         check_own(own, self.pages.capacity_bytes)
         self._check_fits(spec, own.max_bytes)
         if name in self.tenants:
@@ -366,8 +389,12 @@ class Service:
             raise
 
     def op_shutdown(self, _args: Args, _call: Call) -> dict[str, Any]:
+        """Exit after this reply; it names the warm sleepers whose KV (host memory) dies
+        with this daemon: they wake empty under the next one."""
         self.shutdown_requested = True
-        return {}
+        warm = [t for t in self.tenants if t.state is TenantState.SLEEPING_WARM]
+        return {"dropped_warm": [{"name": t.name, "host_bytes": t.warm.host_bytes if t.warm else 0}
+                                 for t in warm]}
 
     # -- lease events (from the server) ----------------------------------------
 
@@ -379,6 +406,7 @@ class Service:
         if tenant.leased:
             raise Conflict(f"tenant {name!r} already has a handle channel")
         tenant.leased = True
+        self.tenants.changed()
         tenant.pid = pid
         return tenant
 
@@ -418,9 +446,11 @@ class Service:
         self.sleeper.expire(now)
         self.quarantine.sweep()
         self.pages.trim(now)
+        self.sleeper.buffers.trim(now)
         self.reclaimer.retry(now)
         self.reclaimer.tell_free(now)
         self.reclaimer.ask_ahead(now)
+        self.reclaimer.settle_debts(now)
         if self.config.idle_sleep_s is not None:
             self.sleeper.sleep_idle(now, self.config.idle_sleep_s, self.config.idle_mode)
         self.activity.tick(self.tenants, now)
@@ -444,9 +474,16 @@ class Service:
             "retired_bytes": self.pages.num_retired * self.pages.page_size_bytes,
             "host_bytes": sum(int(t["host_bytes"]) for t in tenants),
             "counters": {**self.reclaimer.stats(), **self.sleeper.stats(), "never_attached": self.num_never_attached},
+            "settings": self.settings(),
             "tenants": tenants,
             "policies": self.policies.rows(t["name"] for t in tenants),
         }
+
+    def settings(self) -> dict[str, Any]:
+        """The sleep policies this daemon runs with (status, the startup line)."""
+        cfg = self.config
+        return {"idle_sleep_s": cfg.idle_sleep_s, "idle_mode": cfg.idle_mode, "reclaim_sleep": cfg.reclaim_sleep,
+                "warm_memory_bytes": self.sleeper.max_host_bytes}
 
     def _device_free_bytes(self) -> int | None:
         """What the device itself has free (host: RAM available), whoever holds it; ``None``

@@ -41,14 +41,13 @@ reply; one holding at least its fair share while the daemon has nothing to
 spare takes new blocks from its own cache (``PoolAgent``) instead of growing.
 
 Invariants: a tenant within its share is never refused for another's
-shortage; nothing here maps or unmaps. Cost: O(tenants) per call.
+shortage; nothing here maps or unmaps. Cost: O(tenants) per call at most; O(1) for an
+active tenant's fair share while no tenant changed, and for ``free_for`` while none is short.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from kvdaemon.daemon.tenant import Tenant, TenantState
+from kvdaemon.daemon.tenant import Tenant, Tenants, TenantState
 
 STARVED_S = 1.0  # a tenant refused pages this recently is short
 LOW_WATER = 0.1  # the fraction of the pages kept free: asked back from idle holders, never speculated on
@@ -73,9 +72,19 @@ def held_pages(tenant: Tenant) -> int:
 class Shares:
     """Weighted shares over the tenants of one daemon (see the module docstring)."""
 
-    def __init__(self, tenants: Iterable[Tenant], num_pages: int) -> None:
+    def __init__(self, tenants: Tenants, num_pages: int) -> None:
         self.tenants = tenants
         self.num_pages = num_pages
+        self._fair: tuple[int, dict[int, int]] | None = None  # (tenants.version, fair_pages_all)
+        self._last_starved_at = float("-inf")  # the latest ``starve`` of any tenant
+
+    def starve(self, tenant: Tenant, now: float, num_pages: int | None = None) -> None:
+        """A grow of ``tenant`` found too few pages free at ``now`` (``num_pages``: the
+        physical pages it needed at least; None keeps the last need). O(1)."""
+        tenant.starved_at = now
+        if num_pages is not None:
+            tenant.starved_pages = num_pages
+        self._last_starved_at = max(self._last_starved_at, now)
 
     def share_of(self, tenant: Tenant, total_weight: float | None = None) -> int:
         """Physical pages that are ``tenant``'s weighted share of the device now
@@ -86,19 +95,26 @@ class Shares:
     def fair_pages(self, tenant: Tenant) -> int:
         """Physical pages that are ``tenant``'s fair share (see the module docstring), in whole
         logical pages; a tenant not active is counted as if it were. O(tenants) per pass of
-        the water filling (one pass, or one more per tenant held at its minimum)."""
+        the water filling (one pass, or one more per tenant held at its minimum); O(1) for
+        an active tenant while no tenant changed (``fair_pages_all``, cached)."""
+        if tenant.state is TenantState.ACTIVE and tenant.leased:
+            return self.fair_pages_all()[tenant.tenant_id]
         active = self._active()
-        if not any(t is tenant for t in active):
-            active.append(tenant)
+        active.append(tenant)
         parts, left, total = self._fill(active)
         return _whole(tenant, parts.get(tenant.tenant_id, left * tenant.weight / total if total else 0.0))
 
     def fair_pages_all(self) -> dict[int, int]:
-        """``fair_pages`` of every active tenant by id, in one filling: O(tenants) per pass."""
+        """``fair_pages`` of every active tenant by id, in one filling: O(tenants) per pass,
+        computed again only once the tenants changed (``Tenants.changed``)."""
+        if self._fair is not None and self._fair[0] == self.tenants.version:
+            return self._fair[1]
         active = self._active()
         parts, left, total = self._fill(active)
-        return {t.tenant_id: _whole(t, parts.get(t.tenant_id, left * t.weight / total if total else 0.0))
+        fair = {t.tenant_id: _whole(t, parts.get(t.tenant_id, left * t.weight / total if total else 0.0))
                 for t in active}
+        self._fair = (self.tenants.version, fair)
+        return fair
 
     def _fill(self, active: list[Tenant]) -> tuple[dict[int, float], float, float]:
         """The water filling over ``active``: (the parts of tenants held at their minimum,
@@ -114,6 +130,10 @@ class Shares:
                 return parts, left, total
             parts.update(fixed)
 
+    def anyone_short(self, now: float) -> bool:
+        """Whether any tenant may be short at ``now`` (a ``starve`` within ``STARVED_S``). O(1)."""
+        return now - self._last_starved_at < STARVED_S
+
     def is_short(self, tenant: Tenant, now: float) -> bool:
         return now - tenant.starved_at < STARVED_S
 
@@ -125,7 +145,10 @@ class Shares:
 
     def free_for(self, tenant: Tenant, num_free: int, now: float) -> int:
         """Free physical pages a grow of ``tenant`` may take: all of them up to its share,
-        past it only those no short tenant below its share is owed."""
+        past it only those no short tenant below its share is owed. O(1) while no tenant
+        has been short for ``STARVED_S``, else O(tenants)."""
+        if not self.anyone_short(now):
+            return num_free
         active = self._active()
         total = sum(t.weight for t in active)
         owed = sum(

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from kvdaemon.cuda_vmm.backend import Backend
@@ -44,7 +46,7 @@ from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reply import PendingReply
 from kvdaemon.daemon.tenant import PendingSleep, Tenant, Tenants, TenantState
-from kvdaemon.errors import Conflict, KVDaemonError
+from kvdaemon.errors import BackendError, Conflict, KVDaemonError, NoMemory
 from kvdaemon.wire.messages import SleepCancelledNotice, SleepNotice, WakeNotice
 from kvdaemon.wire.sizes import format_bytes
 
@@ -57,19 +59,21 @@ class Sleeper:
     """Sleep and wake over the grants and the tenants' leases (see the module docstring)."""
 
     def __init__(
-        self, tenants: Tenants, grants: Grants, backend: Backend, leases: LeasePort, timeout_s: float
+        self, tenants: Tenants, grants: Grants, backend: Backend, leases: LeasePort, timeout_s: float,
+        clock: Callable[[], float] = time.monotonic, max_host_bytes: int | None = None,
     ) -> None:
         self.tenants = tenants
         self.grants = grants
         self.backend = backend
         self.leases = leases
         self.timeout_s = timeout_s
+        self.max_host_bytes = max_host_bytes  # what warm sleepers' KV may take (None: no bound)
         self._ids = itertools.count(1)
         self.num_sleeps = 0
         self.num_victims_slept = 0  # the sleeps above that reclaim asked for (done, not only asked)
         self.num_wakes = 0
         self.buffers = swap.BufferCache(
-            min(grants.pages.capacity_bytes, MAX_CACHED_BUFFER_BYTES), backend
+            min(grants.pages.capacity_bytes, MAX_CACHED_BUFFER_BYTES), backend, clock
         )
 
     def begin(
@@ -89,10 +93,36 @@ class Sleeper:
             raise Conflict(f"tenant {tenant.name!r} is already being put to sleep")
         if not tenant.leased:
             raise Conflict(f"tenant {tenant.name!r} has no handle channel to be told on")
+        if mode == "warm" and not self._host_room_for(tenant):
+            if waiter is not None or by_owner:
+                raise NoMemory(
+                    f"a warm sleep of {tenant.name!r} needs {format_bytes(tenant.mapped_bytes)} of host memory; "
+                    f"warm sleepers hold {format_bytes(self.host_bytes_held())} of the "
+                    f"{format_bytes(self.max_host_bytes or 0)} allowed (--warm-memory): sleep it cold, or wake one"
+                )
+            log.warning("tenant %s sleeps cold, not warm (%s): host memory for warm sleepers is full "
+                        "(--warm-memory %s)", tenant.name, why, format_bytes(self.max_host_bytes or 0))  # fmt: skip
+            mode = "cold"
         sleep_id = next(self._ids)
         tenant.pending_sleep = PendingSleep(sleep_id, mode, waiter, now + self.timeout_s, why, victim)
         notify(self.leases, tenant.tenant_id, SleepNotice(mode, sleep_id, by_owner))
         return None
+
+    def host_bytes_held(self) -> int:
+        """Host memory of warm sleepers' KV, and what the warm sleeps under way may take. O(tenants)."""
+        held = 0
+        for t in self.tenants:
+            if t.warm is not None:
+                held += t.warm.host_bytes
+            elif t.pending_sleep is not None and t.pending_sleep.mode == "warm":
+                held += t.mapped_bytes
+        return held
+
+    def _host_room_for(self, tenant: Tenant) -> bool:
+        """Whether a warm sleep of ``tenant`` fits under ``max_host_bytes``."""
+        if self.max_host_bytes is None:
+            return True
+        return self.host_bytes_held() + tenant.mapped_bytes <= self.max_host_bytes
 
     def _sleep_again(self, tenant: Tenant, mode: str, why: str) -> dict[str, Any]:
         if mode == "cold" and tenant.state is TenantState.SLEEPING_WARM:
@@ -125,10 +155,11 @@ class Sleeper:
             return {"state": tenant.state.value, "refused": True}
         keep_until = None
         if pending.mode == "warm":
-            tenant.warm = swap.save(self.backend, tenant.logical, tenant.spec.num_segments, self.buffers)
+            tenant.warm = self._save(tenant, pending)
             keep_until = now + IDLE_KEEP_S
         num_pages = self.grants.release_all(tenant, keep_until)
         tenant.state = TenantState.sleeping(pending.mode)
+        self.tenants.changed()
         tenant.num_sleeps += 1
         self.num_sleeps += 1
         self.num_victims_slept += pending.victim
@@ -143,6 +174,19 @@ class Sleeper:
                  pending.why, num_pages, format_bytes(num_pages * tenant.page_size_bytes),
                  kept)  # fmt: skip
         return result
+
+    def _save(self, tenant: Tenant, pending: PendingSleep) -> swap.WarmCopy:
+        """Copy a quiesced tenant's pages to host memory. Failing (no host memory, a failed
+        copy): the caller is told, and so is the tenant, which maps its pages back."""
+        try:
+            return swap.save(self.backend, tenant.logical, tenant.spec.num_segments, self.buffers)
+        except (BackendError, OSError) as exc:
+            error = BackendError(f"tenant {tenant.name!r} stays active: its KV could not be copied to host "
+                                 f"memory for a warm sleep ({exc}); nothing was released")
+            log.error("%s", error.message)
+            if pending.waiter is not None:
+                pending.waiter.fail(error)
+            raise error from exc
 
     def _result(self, tenant: Tenant, num_released: int) -> dict[str, Any]:
         host = 0 if tenant.warm is None else tenant.warm.host_bytes
@@ -165,6 +209,7 @@ class Sleeper:
             swap.restore(self.backend, tenant.warm, tenant.logical)
             self._drop_warm(tenant)
         tenant.state = TenantState.ACTIVE
+        self.tenants.changed()
         tenant.touch(now)
         self.num_wakes += 1
         lps = [lp for lp, _ in grant["pages"]]

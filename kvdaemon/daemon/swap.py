@@ -21,6 +21,8 @@ while it sleeps, plus at most the cache's bound after.
 from __future__ import annotations
 
 import mmap
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvdaemon.cuda_vmm import host_copy
@@ -29,26 +31,34 @@ from kvdaemon.errors import BackendError
 
 
 class BufferCache:
-    """Host buffers of finished warm copies, kept for the next sleep of the same size.
+    """Host buffers of finished warm copies, kept for the next sleeps.
 
     Fresh memory costs a page fault per 4 KiB on first touch, often more than
-    the copy itself; a reused buffer is already backed. At most
-    ``max_bytes`` are kept; the rest go back to the OS.
+    the copy itself; a reused buffer is already backed (and on CUDA pinned).
+    ``take`` reuses the smallest kept buffer that holds the size and is at most
+    ``MAX_SLACK`` times it, so a small sleep never pins a big buffer. At most
+    ``max_bytes`` are kept: past it the oldest go back to the OS, as do buffers
+    unused for ``KEEP_S`` (``trim``, each tick), so a daemon whose sleepers
+    left holds none. Cost: O(kept buffers) per call, at most a few dozen.
     """
 
-    def __init__(self, max_bytes: int, backend: Backend) -> None:
+    KEEP_S = 120.0  # a buffer unused this long goes back to the OS
+    MAX_SLACK = 2  # a kept buffer serves sizes from half its length up
+
+    def __init__(self, max_bytes: int, backend: Backend, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
         self.backend = backend
-        self._buffers: list[mmap.mmap] = []
+        self.clock = clock
+        self._buffers: list[tuple[mmap.mmap, float]] = []  # (buffer, when given back), oldest first
 
     @property
     def cached_bytes(self) -> int:
-        return sum(len(b) for b in self._buffers)
+        return sum(len(b) for b, _ in self._buffers)
 
     def take(self, size: int) -> mmap.mmap:
-        for i, buffer in enumerate(self._buffers):
-            if len(buffer) == size:
-                return self._buffers.pop(i)
+        fits = [(len(b), i) for i, (b, _) in enumerate(self._buffers) if size <= len(b) <= self.MAX_SLACK * size]
+        if fits:
+            return self._buffers.pop(min(fits)[1])[0]
         buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(buffer)
         try:
@@ -59,14 +69,24 @@ class BufferCache:
         return buffer
 
     def give(self, buffer: mmap.mmap) -> None:
-        if self.cached_bytes + len(buffer) <= self.max_bytes:
-            self._buffers.append(buffer)
-        else:
+        if len(buffer) > self.max_bytes:
             self._close(buffer)
+            return
+        self._buffers.append((buffer, self.clock()))
+        while self.cached_bytes > self.max_bytes:  # the oldest go first
+            self._close(self._buffers.pop(0)[0])
+
+    def trim(self, now: float) -> int:
+        """Release the buffers unused for ``KEEP_S``; return how many."""
+        old = [b for b, given_at in self._buffers if now - given_at >= self.KEEP_S]
+        self._buffers = [(b, t) for b, t in self._buffers if now - t < self.KEEP_S]
+        for buffer in old:
+            self._close(buffer)
+        return len(old)
 
     def clear(self) -> None:
         while self._buffers:
-            self._close(self._buffers.pop())
+            self._close(self._buffers.pop()[0])
 
     def _close(self, buffer: mmap.mmap) -> None:
         view = memoryview(buffer)

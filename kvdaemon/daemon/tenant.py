@@ -30,6 +30,7 @@ from kvdaemon.wire.protocol import MAX_INT, Args
 from kvdaemon.wire.sizes import format_bytes
 
 from kvdaemon.daemon.policies import Limits, OwnLimits
+from kvdaemon.daemon.reclaim_debt import ReclaimDebt
 
 if TYPE_CHECKING:
     from kvdaemon.daemon.reply import PendingReply
@@ -113,7 +114,7 @@ class PendingSleep:
     victim: bool = False  # asked by reclaim for another tenant's grow (``victims_slept`` once done)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a field-by-field == would cost O(fields) per test
 class Tenant:
     """Daemon-side record of one tenant (see the module docstring)."""
 
@@ -154,6 +155,7 @@ class Tenant:
     own: OwnLimits | None = None  # what it asked for itself; default: the limits it has
     own_limit_logged_at: float = float("-inf")  # its last own limit change logged (monotonic)
     num_own_limits_unlogged: int = 0  # its own changes since then, told with the next line
+    debt: ReclaimDebt = field(default_factory=ReclaimDebt)  # what urgent reclaims asked of it
 
     def __post_init__(self) -> None:
         self.last_active = self.heard_at = self.registered_at
@@ -188,6 +190,7 @@ class Tenant:
     def note_shrunk(self, num_pages: int) -> None:
         """A shrink gave back ``num_pages`` logical pages."""
         self.num_shrunk_pages += num_pages
+        self.debt.give(num_pages)
 
     def note_refused(self, code: str, num_pages: int, free_bytes: int) -> None:
         """A grow of ``num_pages`` logical pages (its minimum) was refused with ``code``."""
@@ -237,6 +240,8 @@ class Tenant:
             "over_limit_bytes": max(0, self.mapped_bytes - self.max_bytes),
             "sleepable": self.sleepable,
             "sleep_pending": None if self.pending_sleep is None else self.pending_sleep.mode,
+            "reclaim_owed_bytes": self.debt.owed_pages * self.logical_page_bytes,
+            "unpaid_reclaims": self.debt.num_unpaid,
             "attached": self.leased,
         }
 
@@ -253,6 +258,7 @@ class Tenants:
         self._by_name: dict[str, Tenant] = {}
         self._by_id: dict[int, Tenant] = {}
         self._next_id = 1
+        self.version = 0  # bumped by ``changed``
 
     def __iter__(self) -> Iterator[Tenant]:
         return iter(list(self._by_name.values()))
@@ -270,10 +276,17 @@ class Tenants:
     def add(self, tenant: Tenant) -> None:
         self._by_name[tenant.name] = tenant
         self._by_id[tenant.tenant_id] = tenant
+        self.changed()
 
     def remove(self, tenant: Tenant) -> None:
         del self._by_name[tenant.name]
         del self._by_id[tenant.tenant_id]
+        self.changed()
+
+    def changed(self) -> None:
+        """A tenant came, went, or changed its state, lease, weight or minimum: what is
+        computed over all of them (``Shares.fair_pages_all``) is computed again."""
+        self.version += 1
 
     def find(self, name: str) -> Tenant | None:
         """The tenant called ``name``, or ``None``."""

@@ -111,7 +111,7 @@ def recv_frame(
     """
     data, fds, flags, _ = socket.recv_fds(sock, MAX_FRAME_BYTES, SCM_MAX_FD)
     if not data and not fds:
-        raise ConnectionError("handle channel closed by peer")
+        raise ConnectionError("the peer closed it")
     try:
         if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             raise BadRequest("truncated handle frame")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import random
+import resource
 import time
 from collections.abc import Iterator
 
@@ -314,3 +317,49 @@ def test_an_idle_pool_still_tells_the_daemon_it_lives(kvd: RunningDaemon, monkey
     assert max(silences) < 3.0, silences
     assert any(b < a for a, b in zip(silences, silences[1:])), f"never heard again: {silences}"
     pool.close()
+
+
+def test_a_process_holding_over_1024_fds_still_grows(kvd: RunningDaemon) -> None:
+    """Past FD_SETSIZE (1024) select() refuses an fd: the grant channel must not use it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard}: cannot open 1,100 fds")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1400), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1100:  # the next sockets get numbers above these
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        client, pool = register(kvd)
+        blocks = pool.alloc(2 * BLOCKS_PER_PAGE)  # two pages granted over the channel
+        assert pool.mapped_bytes >= 2 * LOGICAL_PAGE_BYTES
+        pool.free(blocks)
+        pool.close()
+        client.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_threads_registering_at_once_share_one_backend(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvdaemon.cuda_vmm as cuda_vmm
+
+    opened: list[object] = []
+    real_open = cuda_vmm.open_backend
+
+    def slow_open(*args: object, **kwargs: object) -> object:
+        time.sleep(0.05)  # a CUDA context takes this long and more: threads overlap here
+        backend = real_open(*args, **kwargs)
+        opened.append(backend)
+        return backend
+
+    monkeypatch.setattr(cuda_vmm, "open_backend", slow_open)
+    client = kvd.client()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as threads:
+            seen = list(threads.map(lambda _: client.backend(), range(8)))
+        assert len(opened) == 1 and all(backend is opened[0] for backend in seen)
+    finally:
+        client.close()

@@ -225,7 +225,7 @@ def test_status_json_is_the_status_object(cli: Cli) -> None:
     status = json.loads(done.stdout)
     assert set(status) == STATUS_KEYS | {
         "dir", "host_bytes", "quarantined_bytes", "retired_bytes", "counters", "device", "pid", "version",
-        "uptime_seconds", "policies", "device_free_bytes"}
+        "uptime_seconds", "policies", "device_free_bytes", "settings"}
     assert status["dir"] == str(cli.dir)
     assert {key: status[key] for key in STATUS_KEYS} == {
         "backend": "host", "page_size": 2 * MiB, "capacity_bytes": 64 * MiB,
@@ -358,7 +358,7 @@ def test_foreground_json_prints_one_object_once_ready(cli: Cli) -> None:
     ready = json.loads(child.stdout.readline())  # the log goes to stderr: stdout is this line
     assert ready == {"dir": str(cli.dir), "pid": child.pid, "version": ready["version"], "ready": True,
                      "backend": "host", "device": 0, "capacity_bytes": 64 * MiB, "page_size": 2 * MiB,
-                     "metrics_url": None}  # fmt: skip
+                     "metrics_address": None, "metrics_url": None}  # fmt: skip
     assert cli.run("status").returncode == 0  # ready means clients can connect
     assert cli.run("stop").returncode == 0 and child.wait(timeout=10) == 0
     assert child.stdout.read() == ""
@@ -441,6 +441,28 @@ def test_sleep_and_wake_from_the_cli(cli: Cli) -> None:
         cold = cli.run("sleep", "llama-a", "--cold")
         assert cold.stdout.strip() == "llama-a: sleeping-cold"
         assert cli.run("wake", "nobody").returncode == 3
+    finally:
+        pool.close()
+        client.close()
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_stop_says_whose_warm_kv_dies_with_the_daemon(cli: Cli, as_json: bool) -> None:
+    pid = cli.started_pid()
+    client = cli.client()
+    spec = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
+    pool = client.register("llama-a", spec, num_prefetch_pages=0)
+    pool.quiesce_hook = lambda: None
+    try:
+        pool.alloc(4)
+        assert cli.run("sleep", "llama-a").returncode == 0
+        stopped = cli.run("stop", *(["--json"] if as_json else []))
+        assert stopped.returncode == 0, stopped.stderr
+        if as_json:
+            assert json.loads(stopped.stdout)["dropped_warm"] == [{"name": "llama-a", "host_bytes": 4 << 20}]
+        else:
+            assert stopped.stdout.strip() == (f"kvdaemon at {cli.dir} stopped (pid {pid}); the warm KV of "
+                                              "llama-a (4.00 MiB) died with it: they wake with an empty cache")
     finally:
         pool.close()
         client.close()

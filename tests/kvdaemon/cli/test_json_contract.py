@@ -20,8 +20,8 @@ MiB = 1024 * 1024
 cli = lifecycle_tests.cli  # the fixture: a detached daemon's directory, cleaned up after
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
 STATUS_KEYS = {"dir", "backend", "device", "pid", "version", "uptime_seconds", "page_size",
-               "capacity_bytes", "free_bytes", "device_free_bytes", "quarantined_bytes", "retired_bytes", "host_bytes", "counters", "tenants",
-               "policies"}  # fmt: skip
+               "capacity_bytes", "free_bytes", "device_free_bytes", "quarantined_bytes", "retired_bytes",
+               "host_bytes", "counters", "settings", "tenants", "policies"}  # fmt: skip
 
 
 def json_of(done: subprocess.CompletedProcess[str], code: int = 0) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def test_start_status_stop_json(cli: Cli) -> None:
     assert started == {
         "dir": str(cli.dir), "pid": cli.daemon_pid(), "version": "0.1.0", "backend": "host",
         "device": 0, "capacity_bytes": 64 * MiB, "capacity_asked_bytes": 64 * MiB, "page_size": 2 * MiB,
-        "log_file": str(cli.paths.log_file), "metrics_address": None,
+        "log_file": str(cli.paths.log_file), "metrics_address": None, "metrics_url": None,
     }  # fmt: skip
 
     status = json_of(cli.run("status", "--json"))
@@ -53,14 +53,14 @@ def test_start_status_stop_json(cli: Cli) -> None:
 
     stopped = json_of(cli.run("stop", "--json"))
     assert stopped == {"dir": str(cli.dir), "pid": started["pid"], "stopped": True,
-                       "signalled": False}  # fmt: skip
+                       "signalled": False, "dropped_warm": []}  # fmt: skip
 
 
 def test_stop_of_a_stopped_daemon_succeeds_and_says_so(cli: Cli) -> None:
     text = cli.run("stop")
     assert (text.returncode, text.stdout.strip()) == (0, f"no kvdaemon running at {cli.dir}; nothing to stop")
     assert json_of(cli.run("stop", "--json")) == {
-        "dir": str(cli.dir), "pid": None, "stopped": False, "signalled": False,
+        "dir": str(cli.dir), "pid": None, "stopped": False, "signalled": False, "dropped_warm": [],
     }  # fmt: skip
 
 

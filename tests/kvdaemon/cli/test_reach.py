@@ -144,6 +144,23 @@ def test_wait_idle_waits_for_blocks_to_stop_changing(cli: Cli) -> None:
             lease.close()
 
 
+def test_wait_sleepable_waits_for_the_engine_to_be_quiescable(cli: Cli) -> None:
+    cli.started_pid()
+    with cli.client() as client:
+        lease = client.lease("loading", small_spec(), num_virtual_pages=4)
+        try:
+            early = cli.run("wait", "loading", "--sleepable", "--idle", "0.1", "--timeout", "0.5")
+            assert early.returncode == 5  # idle since registration, but nothing could quiesce it
+            assert "loading's engine cannot be quiesced yet" in early.stderr
+            lease.heartbeat(sleepable=True)  # what a pool says once its engine set its hook
+            done = cli.run("wait", "loading", "--sleepable", "--idle", "0.1", "--json")
+            assert done.returncode == 0, done.stderr
+            (row,) = json.loads(done.stdout)["tenants"]
+            assert row["sleepable"] is True
+        finally:
+            lease.close()
+
+
 def test_unsafe_directories_are_refused_by_every_command(cli: Cli, tmp_path: Path) -> None:
     os.chmod(cli.dir, 0o755)
     for args in (("status",), ("stop",), ("wait", "x"), ("sleep", "x")):

@@ -84,7 +84,7 @@ def test_two_models_on_one_device_runs_as_written(cli: Cli, env: dict[str, str])
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     out = done.stdout
     assert "llama-a, qwen-b: registered" in out
-    assert "llama-a: registered and idle for 5 s" in out
+    assert "llama-a: registered, sleepable and idle for 5 s" in out
     assert "llama-a: sleeping-warm, " in out
     assert "llama-a: active (waited " in out  # woken by its engine's next round
     assert "[llama-a] round 2: 2 requests" in out and "[qwen-b] round 2: 2 requests" in out

@@ -165,3 +165,14 @@ def test_the_header_says_when_the_device_has_less_free_than_the_pool_counts() ->
     (note,) = header(256 * MiB)[2:]
     assert note.startswith("device free 256.0 MiB, under the pool's: held elsewhere")
     assert header(1024 * MiB)[2:] == [] and header(None)[2:] == []  # as much as the pool counts, or unknown
+
+
+def test_the_header_shows_warm_sleepers_host_memory_and_the_idle_policy() -> None:
+    status = {**make_status([make_tenant()]), "host_bytes": 8 * MiB,
+              "settings": {"idle_sleep_s": 300.0, "idle_mode": "cold", "reclaim_sleep": True,
+                           "warm_memory_bytes": 64 * MiB}}  # fmt: skip
+    assert status_view.header_lines(Path("/tmp/kvd"), status)[2:] == [
+        "host memory 8.00 MiB of 64.0 MiB allowed: the KV of warm sleepers", "idle tenants sleep cold after 5m00s",
+    ]
+    quiet = {**status, "host_bytes": 0, "settings": {"idle_sleep_s": None, "idle_mode": "warm"}}
+    assert status_view.header_lines(Path("/tmp/kvd"), quiet)[2:] == []

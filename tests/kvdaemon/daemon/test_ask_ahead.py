@@ -130,6 +130,7 @@ def test_status_gives_every_tenant_the_fair_share_its_heartbeat_is_told(h: Harne
     assert sleeper is not None
     told_awake = heartbeat(h, regs["s"], "s")["fair_bytes"]  # its share as if it were active
     sleeper.state = TenantState.SLEEPING_COLD
+    h.service.tenants.changed()  # as the sleeper does when it sleeps one
     rows = {row["name"]: row for row in h.service.status()["tenants"]}
     told = {name: heartbeat(h, reg, name)["fair_bytes"] for name, reg in regs.items() if name != "s"}
     assert {name: rows[name]["fair_bytes"] for name in told} == told

@@ -10,7 +10,7 @@ import pytest
 from kvdaemon.daemon.config import KEYS, DaemonConfig, dir_from, load_config
 from kvdaemon.errors import ConfigError
 from kvdaemon.wire.paths import default_dir
-from kvdaemon.wire.sizes import bytes_of, percent_of
+from kvdaemon.wire.sizes import bytes_of, parse_size, percent_of
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -278,11 +278,22 @@ def test_capacity_bytes_refuses_impossible_sizes(
         {"dir": "/tmp/kvd-argv", "backend": "cuda", "capacity": "12.5%", "device": "1"},
         {"capacity": "1.5GiB", "page-size": "64KiB", "metrics-port": "9400",
          "idle-sleep": "2.5m", "log-level": "debug"},
+        {"warm-memory": "12GiB"}, {"warm-memory": "0"},
     ],
 )
 def test_to_argv_round_trips(flags: dict[str, str]) -> None:
     config = load_config(flags, {}, None)
     assert load_config(flags_from_argv(config.to_argv()), {}, None) == config
+
+
+def test_warm_memory_from_flag_env_and_file(tmp_path: Path) -> None:
+    assert load_config({}, {}, None).warm_memory == parse_size("50%")
+    assert load_config({"warm-memory": "8GiB"}, {}, None).warm_memory == parse_size("8GiB")
+    assert load_config({}, {"KVDAEMON_WARM_MEMORY": "25%"}, None).warm_memory == parse_size("25%")
+    file = write_toml(tmp_path, 'warm-memory = "1GiB"\n')
+    assert load_config({}, {}, file).warm_memory == parse_size("1GiB")
+    with pytest.raises(ConfigError, match="warm-memory"):
+        load_config({"warm-memory": "lots"}, {}, None)
 
 
 def test_to_argv_overrides_any_environment() -> None:
@@ -301,6 +312,18 @@ def test_dir_from_precedence(tmp_path: Path) -> None:
     assert dir_from(None, {"KVDAEMON_DIR": ""}) == default_dir()  # empty counts as unset
     with pytest.raises(ConfigError, match="capcity"):
         dir_from(None, {}, write_toml(tmp_path, "capcity = 1\n"))
+
+
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_a_config_file_that_cannot_be_read_is_an_error_whatever_names_the_dir(tmp_path: Path, where: str) -> None:
+    flag = Path("/tmp/kvd-flag") if where == "flag" else None
+    env = {"KVDAEMON_DIR": "/tmp/kvd-env"} if where == "env" else {}
+    with pytest.raises(ConfigError, match="cannot read"):
+        dir_from(flag, env, tmp_path / "missing.toml")
+    with pytest.raises(ConfigError):
+        dir_from(flag, env, write_toml(tmp_path, "dir = [unclosed\n"))
+    with pytest.raises(ConfigError, match="capcity"):
+        dir_from(flag, env, write_toml(tmp_path, "capcity = 1\n"))
 
 
 def test_idle_mode_from_env_and_file(tmp_path: Path) -> None:

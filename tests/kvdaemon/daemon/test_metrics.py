@@ -95,11 +95,12 @@ def test_gauges_follow_the_snapshot_on_every_scrape(metrics: Metrics, fake: Fake
     fake.status = make_status(
         [
             make_tenant("llama-a", 2 * MiB, 0, 32 * MiB),
-            {**make_tenant("qwen-b", 10 * MiB, 4 * MiB, None), "refused_grows": 7},
+            {**make_tenant("qwen-b", 10 * MiB, 4 * MiB, None), "refused_grows": 7, "unpaid_reclaims": 2},
         ]
     )
     samples = scrape(metrics)
     assert samples[("kvdaemon_tenant_refused_grows_total", (("tenant", "qwen-b"),))] == 7
+    assert samples[("kvdaemon_tenant_unpaid_reclaims_total", (("tenant", "qwen-b"),))] == 2
     assert samples[("kvdaemon_free_bytes", ())] == 52 * MiB
     assert samples[("kvdaemon_tenant_mapped_bytes", tenant)] == 2 * MiB
     assert samples[("kvdaemon_tenant_mapped_bytes", (("tenant", "qwen-b"),))] == 10 * MiB

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import random
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ from kvdaemon.errors import BackendError
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.daemon.policy_book import PolicyBook
 from kvdaemon.daemon import service as service_module
+from kvdaemon.daemon import sleep as sleep_module
 from kvdaemon.daemon.service import Service
 from kvdaemon.wire.protocol import PROTOCOL_VERSION, decode, encode, request
 
@@ -364,6 +367,25 @@ def test_sleep_waits_for_the_tenant_then_frees_its_pages(h: Harness) -> None:
     assert h.leases.notices[-1][1]["notice"] == "wake"
 
 
+def test_a_warm_sleep_that_cannot_copy_to_host_memory_fails_and_frees_nothing(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reg = h.register("a")
+    h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0, 1]))
+    sleep_id = start_sleep(h, "a", "warm")
+
+    def no_memory(*_args: object) -> None:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(sleep_module.swap, "save", no_memory)
+    assert h.error("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id)) == "BACKEND_ERROR"
+    failed = deferred(h)["error"]  # the admin's sleep is answered too, with why
+    assert failed["code"] == "BACKEND_ERROR" and "stays active" in failed["message"]
+    row = h.ok("status")["tenants"][0]
+    assert (row["state"], row["mapped_bytes"], row["sleep_pending"]) == ("active", 4 * PAGE_BYTES, None)
+    assert h.error("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id)) == "CONFLICT"  # a retry: maps back
+
+
 def test_a_sleep_that_times_out_is_cancelled_and_frees_nothing(h: Harness) -> None:
     reg = h.register("a")
     h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0]))
@@ -471,3 +493,30 @@ def test_status_says_what_the_device_itself_has_free(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(h.backend, "mem_info", broken)
     assert h.service.status()["device_free_bytes"] is None  # unknown, and status still answers
+
+
+def test_a_refused_registration_is_logged_once_per_code_a_while(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvdaemon")
+    h.register("a", min_bytes=10 * PAGE_BYTES)
+    spec = small_spec().to_wire()
+    for _ in range(3):  # the same refusal again and again: one line, the rest counted
+        assert h.error("register", name="a", spec=spec, num_virtual_pages=8) == "CONFLICT"
+    guaranteed = 10 * PAGE_BYTES  # with a's, more than the 16 pages
+    assert h.error("register", name="b", spec=spec, num_virtual_pages=8, min_bytes=guaranteed) == "NO_MEMORY"
+    lines = [r.getMessage() for r in caplog.records if "registration of tenant" in r.getMessage()]
+    assert lines == [
+        "registration of tenant 'a' refused (CONFLICT): a tenant named 'a' is already registered",
+        lines[1],
+    ]
+    assert lines[1].startswith("registration of tenant 'b' refused (NO_MEMORY): ")
+
+
+def test_a_pool_built_on_other_pages_is_refused_at_registration(h: Harness) -> None:
+    spec = small_spec().to_wire()
+    reply = h.call("register", name="a", spec=spec, num_virtual_pages=8, page_size=PAGE_BYTES // 2)
+    assert reply["error"]["code"] == "CONFLICT"
+    assert f"restart the daemon with --page-size {PAGE_BYTES // 2}" in reply["error"]["message"]
+    assert h.ok("status")["tenants"] == []
+    h.ok("register", name="a", spec=spec, num_virtual_pages=8, page_size=PAGE_BYTES)  # its own: welcome

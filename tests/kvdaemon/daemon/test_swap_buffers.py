@@ -1,0 +1,67 @@
+"""The warm-sleep buffer cache: reuse by best fit, oldest out past the bound, idle ones trimmed."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+
+import pytest
+
+from kvdaemon.cuda_vmm import HostBackend
+from kvdaemon.daemon.swap import BufferCache
+
+from tests.conftest import PAGE_BYTES
+
+KiB = 1024
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def backend() -> Iterator[HostBackend]:
+    host = HostBackend(num_pages=4, page_size_bytes=PAGE_BYTES)
+    host.start()
+    yield host
+    host.close()
+
+
+def test_a_buffer_given_back_serves_the_next_take_that_fits_best(backend: HostBackend) -> None:
+    cache = BufferCache(1 << 20, backend)
+    small, big = cache.take(64 * KiB), cache.take(256 * KiB)
+    cache.give(big)
+    cache.give(small)
+    assert cache.take(48 * KiB) is small  # the smallest that holds it
+    assert cache.take(100 * KiB) is not big  # 256 KiB is over twice 100: a new one, big stays
+    assert cache.take(200 * KiB) is big
+    assert cache.cached_bytes == 0
+
+
+def test_past_its_bound_the_oldest_buffers_go(backend: HostBackend) -> None:
+    cache = BufferCache(256 * KiB, backend)
+    first, second, third = (cache.take(100 * KiB) for _ in range(3))
+    for buffer in (first, second, third):
+        cache.give(buffer)
+    assert first.closed and not second.closed and not third.closed
+    assert cache.cached_bytes == 200 * KiB
+    huge = cache.take(512 * KiB)
+    cache.give(huge)  # larger than the whole bound: closed, the rest kept
+    assert huge.closed and cache.cached_bytes == 200 * KiB
+
+
+def test_buffers_unused_for_a_while_are_trimmed(backend: HostBackend) -> None:
+    clock = Clock()
+    cache = BufferCache(1 << 20, backend, clock)
+    old = cache.take(64 * KiB)
+    cache.give(old)
+    clock.now = BufferCache.KEEP_S / 2
+    recent = cache.take(mmap.PAGESIZE * 4)
+    cache.give(recent)
+    assert cache.trim(BufferCache.KEEP_S) == 1
+    assert old.closed and not recent.closed
+    assert cache.trim(BufferCache.KEEP_S * 2) == 1 and cache.cached_bytes == 0
