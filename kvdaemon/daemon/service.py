@@ -52,9 +52,10 @@ from kvdaemon.daemon.log_throttle import LogThrottle
 from kvdaemon.daemon.tenant import (
     MAX_TENANTS, MAX_UNATTACHED, MAX_UNATTACHED_PER_CONN, Tenant, Tenants, TenantState, WireSpec, check_name,
 )
+from kvdaemon.daemon import status_report
 from kvdaemon.daemon.tenant_log import ActivityLog, log_registered, log_removed
 from kvdaemon.errors import (
-    BackendError, BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
+    BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
 )
 from kvdaemon.wire.messages import SLEEP_MODES
 from kvdaemon.wire.protocol import (
@@ -456,54 +457,8 @@ class Service:
         self.activity.tick(self.tenants, now)
 
     def status(self) -> dict[str, Any]:
-        """The object of ``status --json`` (DESIGN.md §13), plus daemon and detail fields."""
-        now = self.clock()
-        fair = self.shares.fair_pages_all()
-        tenants = [self._tenant_status(t, now, fair) for t in self.tenants]
-        return {
-            "backend": self.backend.name,
-            "device": self.backend.device,
-            "pid": os.getpid(),
-            "version": __version__,
-            "uptime_seconds": round(now - self.started_at, 3),
-            "page_size": self.pages.page_size_bytes,
-            "capacity_bytes": self.pages.capacity_bytes,
-            "free_bytes": self.pages.free_bytes,
-            "device_free_bytes": self._device_free_bytes(),
-            "quarantined_bytes": self.quarantine.held_bytes,
-            "retired_bytes": self.pages.num_retired * self.pages.page_size_bytes,
-            "host_bytes": sum(int(t["host_bytes"]) for t in tenants),
-            "counters": {**self.reclaimer.stats(), **self.sleeper.stats(), "never_attached": self.num_never_attached},
-            "settings": self.settings(),
-            "tenants": tenants,
-            "policies": self.policies.rows(t["name"] for t in tenants),
-        }
-
-    def settings(self) -> dict[str, Any]:
-        """The sleep policies this daemon runs with (status, the startup line)."""
-        cfg = self.config
-        return {"idle_sleep_s": cfg.idle_sleep_s, "idle_mode": cfg.idle_mode, "reclaim_sleep": cfg.reclaim_sleep,
-                "warm_memory_bytes": self.sleeper.max_host_bytes}
-
-    def _device_free_bytes(self) -> int | None:
-        """What the device itself has free (host: RAM available), whoever holds it; ``None``
-        when the backend cannot say. One ``cuMemGetInfo`` (host: a ``/proc/meminfo`` read)."""
-        try:
-            return self.backend.mem_info().free_bytes
-        except BackendError as exc:
-            self.warnings.warning("mem_info", "the backend could not say what the device has free: %s", exc)
-            return None
-
-    def _tenant_status(self, tenant: Tenant, now: float, fair: dict[int, int]) -> dict[str, object]:
-        """A tenant's row, with its fair share (``fair``: the active tenants', by id) and
-        whether it is short (``shares``)."""
-        row = tenant.status(now)
-        pages = fair.get(tenant.tenant_id)
-        if pages is None:  # not active: its share as if it were
-            pages = self.shares.fair_pages(tenant)
-        row["fair_bytes"] = pages * self.pages.page_size_bytes
-        row["short"] = self.shares.is_short(tenant, now)
-        return row
+        """The object of ``status --json`` (DESIGN.md §13; ``status_report``)."""
+        return status_report.build(self)
 
     def check_invariants(self) -> None:
         """Assert DESIGN.md §4 invariants 1-3 over the device pages and every tenant (the
