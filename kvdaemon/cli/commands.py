@@ -83,7 +83,8 @@ kvdaemon start --foreground --config /etc/kvdaemon/kvdaemon.toml   # under syste
               help="Warm-sleep an idle tenant when a grow cannot be served otherwise "
                    "[default: on].")
 @click.option("--warm-memory", metavar="SIZE",
-              help="Host memory the KV of warm sleepers may take: bytes, 64GiB, or 50% of RAM; past it "
+              help="Host memory the KV of warm sleepers may take: bytes, 64GiB, or 50% of RAM (or of the "
+                   "cgroup's memory limit); past it "
                    "a warm sleep asked of the daemon is refused and its own sleeps go cold "
                    "[default: 50%].")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False),
@@ -167,7 +168,8 @@ def stop(dir_flag: Path | None, config_file: Path | None, as_json: bool, timeout
         text = f"kvdaemon at {root} stopped (pid {stopped.pid})"
     if stopped.dropped_warm:
         names = ", ".join(f"{t['name']} ({format_bytes(int(t['host_bytes']))})" for t in stopped.dropped_warm)
-        text += f"; the warm KV of {names} died with it: they wake with an empty cache"
+        wakes = "it wakes" if len(stopped.dropped_warm) == 1 else "they wake"
+        text += f"; the warm KV of {names} died with it: {wakes} with an empty cache"
     result = {"dir": str(root), "pid": stopped.pid, "stopped": stopped.pid is not None,
               "signalled": stopped.signalled, "dropped_warm": list(stopped.dropped_warm)}  # fmt: skip
     emit(as_json, result, text)

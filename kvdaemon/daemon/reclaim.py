@@ -279,9 +279,10 @@ class Reclaimer:
         if not candidates:
             return False
         victim = min(candidates, key=lambda t: t.last_active)  # the longest idle
-        log.info("reclaim: asking %s to sleep (warm) for %s", victim.name, requester.name)
         why = f"reclaim: pages wanted by {requester.name}"
         self.sleeper.begin(victim, "warm", None, now, why=why, victim=True)
+        mode = victim.pending_sleep.mode if victim.pending_sleep is not None else "warm"
+        log.info("reclaim: asking %s to sleep (%s) for %s", victim.name, mode, requester.name)
         return True
 
     def cancel_all(self, error: KVDaemonError) -> None:

@@ -32,8 +32,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import psutil
-
 from kvdaemon import __version__
 from kvdaemon.cuda_vmm.backend import Backend
 from kvdaemon.daemon.config import DaemonConfig
@@ -52,7 +50,7 @@ from kvdaemon.daemon.log_throttle import LogThrottle
 from kvdaemon.daemon.tenant import (
     MAX_TENANTS, MAX_UNATTACHED, MAX_UNATTACHED_PER_CONN, Tenant, Tenants, TenantState, WireSpec, check_name,
 )
-from kvdaemon.daemon import status_report
+from kvdaemon.daemon import status_report, swap
 from kvdaemon.daemon.tenant_log import ActivityLog, log_registered, log_removed
 from kvdaemon.errors import (
     BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
@@ -97,7 +95,7 @@ class Service:
         self.quarantine = Quarantine(self.grants)
         self.sleeper = Sleeper(
             self.tenants, self.grants, backend, leases, self.config.sleep_timeout_s, self.clock,
-            max_host_bytes=self.config.warm_memory.resolve(psutil.virtual_memory().total),
+            max_host_bytes=self.config.warm_memory.resolve(swap.host_memory_bytes()),
         )
         self.reclaimer = Reclaimer(
             self.tenants, self.shares, self.pages, self.grants, leases, self.sleeper,

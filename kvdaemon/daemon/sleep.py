@@ -73,7 +73,9 @@ class Sleeper:
         self.num_victims_slept = 0  # the sleeps above that reclaim asked for (done, not only asked)
         self.num_wakes = 0
         self.buffers = swap.BufferCache(
-            min(grants.pages.capacity_bytes, MAX_CACHED_BUFFER_BYTES), backend, clock
+            min(grants.pages.capacity_bytes, MAX_CACHED_BUFFER_BYTES,
+                MAX_CACHED_BUFFER_BYTES if max_host_bytes is None else max_host_bytes),
+            backend, clock,
         )
 
     def begin(
@@ -100,8 +102,9 @@ class Sleeper:
                     f"warm sleepers hold {format_bytes(self.host_bytes_held())} of the "
                     f"{format_bytes(self.max_host_bytes or 0)} allowed (--warm-memory): sleep it cold, or wake one"
                 )
-            log.warning("tenant %s sleeps cold, not warm (%s): host memory for warm sleepers is full "
-                        "(--warm-memory %s)", tenant.name, why, format_bytes(self.max_host_bytes or 0))  # fmt: skip
+            log.warning("tenant %s sleeps cold, not warm (%s): a warm copy of %s would pass --warm-memory "
+                        "(%s held of %s)", tenant.name, why, format_bytes(tenant.mapped_bytes),
+                        format_bytes(self.host_bytes_held()), format_bytes(self.max_host_bytes or 0))  # fmt: skip
             mode = "cold"
         sleep_id = next(self._ids)
         tenant.pending_sleep = PendingSleep(sleep_id, mode, waiter, now + self.timeout_s, why, victim)
@@ -109,20 +112,30 @@ class Sleeper:
         return None
 
     def host_bytes_held(self) -> int:
-        """Host memory of warm sleepers' KV, and what the warm sleeps under way may take. O(tenants)."""
+        """Host memory warm sleepers' buffers hold (a reused buffer may be larger than its
+        copy), and what the warm sleeps under way may take. O(tenants)."""
         held = 0
         for t in self.tenants:
             if t.warm is not None:
-                held += t.warm.host_bytes
+                held += t.warm.held_bytes
             elif t.pending_sleep is not None and t.pending_sleep.mode == "warm":
                 held += t.mapped_bytes
         return held
 
+    def _held_by_others(self, tenant: Tenant) -> int:
+        """``host_bytes_held`` less ``tenant``'s own reservation (it sleeps now)."""
+        return self.host_bytes_held() - tenant.mapped_bytes
+
     def _host_room_for(self, tenant: Tenant) -> bool:
-        """Whether a warm sleep of ``tenant`` fits under ``max_host_bytes``."""
+        """Whether a warm sleep of ``tenant`` fits under ``max_host_bytes`` with what warm
+        sleepers hold; the buffer cache gives up its oldest buffers to make the room."""
         if self.max_host_bytes is None:
             return True
-        return self.host_bytes_held() + tenant.mapped_bytes <= self.max_host_bytes
+        room = self.max_host_bytes - self.host_bytes_held() - tenant.mapped_bytes
+        if room < 0:
+            return False
+        self.buffers.shrink_to(room)
+        return True
 
     def _sleep_again(self, tenant: Tenant, mode: str, why: str) -> dict[str, Any]:
         if mode == "cold" and tenant.state is TenantState.SLEEPING_WARM:
@@ -179,7 +192,8 @@ class Sleeper:
         """Copy a quiesced tenant's pages to host memory. Failing (no host memory, a failed
         copy): the caller is told, and so is the tenant, which maps its pages back."""
         try:
-            return swap.save(self.backend, tenant.logical, tenant.spec.num_segments, self.buffers)
+            largest = None if self.max_host_bytes is None else self.max_host_bytes - self._held_by_others(tenant)
+            return swap.save(self.backend, tenant.logical, tenant.spec.num_segments, self.buffers, largest)
         except (BackendError, OSError) as exc:
             error = BackendError(f"tenant {tenant.name!r} stays active: its KV could not be copied to host "
                                  f"memory for a warm sleep ({exc}); nothing was released")

@@ -23,11 +23,28 @@ from __future__ import annotations
 import mmap
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+import psutil
 from dataclasses import dataclass
 
 from kvdaemon.cuda_vmm import host_copy
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.errors import BackendError
+
+
+def host_memory_bytes(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """The host memory this process may use: the machine's RAM, or less where a cgroup
+    (a container's memory limit; v2 ``memory.max``, v1 ``memory.limit_in_bytes``) caps it."""
+    total = int(psutil.virtual_memory().total)
+    for path in (cgroup_root / "memory.max", cgroup_root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
 
 
 class BufferCache:
@@ -55,8 +72,11 @@ class BufferCache:
     def cached_bytes(self) -> int:
         return sum(len(b) for b, _ in self._buffers)
 
-    def take(self, size: int) -> mmap.mmap:
-        fits = [(len(b), i) for i, (b, _) in enumerate(self._buffers) if size <= len(b) <= self.MAX_SLACK * size]
+    def take(self, size: int, largest: int | None = None) -> mmap.mmap:
+        """A buffer of at least ``size`` bytes, backed: a kept one at most ``MAX_SLACK`` times
+        ``size`` (and at most ``largest``), else a new one of ``size``."""
+        most = self.MAX_SLACK * size if largest is None else min(self.MAX_SLACK * size, largest)
+        fits = [(len(b), i) for i, (b, _) in enumerate(self._buffers) if size <= len(b) <= most]
         if fits:
             return self._buffers.pop(min(fits)[1])[0]
         buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -74,6 +94,11 @@ class BufferCache:
             return
         self._buffers.append((buffer, self.clock()))
         while self.cached_bytes > self.max_bytes:  # the oldest go first
+            self._close(self._buffers.pop(0)[0])
+
+    def shrink_to(self, max_bytes: int) -> None:
+        """Release the oldest kept buffers until at most ``max_bytes`` are kept."""
+        while self._buffers and self.cached_bytes > max_bytes:
             self._close(self._buffers.pop(0)[0])
 
     def trim(self, now: float) -> int:
@@ -105,19 +130,26 @@ class WarmCopy:
     cache: BufferCache
     host_bytes: int  # the bytes saved (0 for a tenant with no pages)
 
+    @property
+    def held_bytes(self) -> int:
+        """Host memory its buffer holds: at least ``host_bytes`` (a reused buffer may be larger)."""
+        return len(self.buffer)
+
     def discard(self) -> None:
         self.cache.give(self.buffer)
 
 
 def save(
-    backend: Backend, logical: dict[int, list[PhysicalPage]], num_segments: int, cache: BufferCache
+    backend: Backend, logical: dict[int, list[PhysicalPage]], num_segments: int, cache: BufferCache,
+    largest: int | None = None,
 ) -> WarmCopy:
-    """Copy the pages of ``logical`` (``{lp: [page per segment]}``) into host memory."""
+    """Copy the pages of ``logical`` (``{lp: [page per segment]}``) into host memory, in a
+    buffer of at most ``largest`` bytes where a kept one is reused (``BufferCache.take``)."""
     page_bytes = backend.page_size_bytes
     order = sorted(logical)
     pages = [page for lp in order for page in logical[lp]]
     num_bytes = len(pages) * page_bytes
-    buffer = cache.take(max(mmap.PAGESIZE, num_bytes))
+    buffer = cache.take(max(mmap.PAGESIZE, num_bytes), largest)
     try:
         with memoryview(buffer) as view:
             backend.copy_out_pages(pages, view[:num_bytes])

@@ -462,7 +462,7 @@ def test_stop_says_whose_warm_kv_dies_with_the_daemon(cli: Cli, as_json: bool) -
             assert json.loads(stopped.stdout)["dropped_warm"] == [{"name": "llama-a", "host_bytes": 4 << 20}]
         else:
             assert stopped.stdout.strip() == (f"kvdaemon at {cli.dir} stopped (pid {pid}); the warm KV of "
-                                              "llama-a (4.00 MiB) died with it: they wake with an empty cache")
+                                              "llama-a (4.00 MiB) died with it: it wakes with an empty cache")
     finally:
         pool.close()
         client.close()
