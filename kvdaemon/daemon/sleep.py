@@ -122,10 +122,6 @@ class Sleeper:
                 held += t.mapped_bytes
         return held
 
-    def _held_by_others(self, tenant: Tenant) -> int:
-        """``host_bytes_held`` less ``tenant``'s own reservation (it sleeps now)."""
-        return self.host_bytes_held() - tenant.mapped_bytes
-
     def _host_room_for(self, tenant: Tenant) -> bool:
         """Whether a warm sleep of ``tenant`` fits under ``max_host_bytes`` with what warm
         sleepers hold; the buffer cache gives up its oldest buffers to make the room."""
@@ -191,8 +187,8 @@ class Sleeper:
     def _save(self, tenant: Tenant, pending: PendingSleep) -> swap.WarmCopy:
         """Copy a quiesced tenant's pages to host memory. Failing (no host memory, a failed
         copy): the caller is told, and so is the tenant, which maps its pages back."""
-        try:
-            largest = None if self.max_host_bytes is None else self.max_host_bytes - self._held_by_others(tenant)
+        try:  # its own reservation ended with its pending sleep: the others' is what is held
+            largest = None if self.max_host_bytes is None else self.max_host_bytes - self.host_bytes_held()
             return swap.save(self.backend, tenant.logical, tenant.spec.num_segments, self.buffers, largest)
         except (BackendError, OSError) as exc:
             error = BackendError(f"tenant {tenant.name!r} stays active: its KV could not be copied to host "
