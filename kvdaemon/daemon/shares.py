@@ -98,9 +98,12 @@ class Shares:
         the water filling (one pass, or one more per tenant held at its minimum); O(1) for
         an active tenant while no tenant changed (``fair_pages_all``, cached)."""
         if tenant.state is TenantState.ACTIVE and tenant.leased:
-            return self.fair_pages_all()[tenant.tenant_id]
-        active = self._active()
-        active.append(tenant)
+            cached = self.fair_pages_all().get(tenant.tenant_id)
+            if cached is not None:
+                return cached
+        active = self._active()  # not active, or changed without ``Tenants.changed``: alone
+        if not any(t is tenant for t in active):
+            active.append(tenant)
         parts, left, total = self._fill(active)
         return _whole(tenant, parts.get(tenant.tenant_id, left * tenant.weight / total if total else 0.0))
 
