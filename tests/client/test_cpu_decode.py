@@ -28,13 +28,20 @@ DECODE = [(37, 1), (16, 1), (1, 1), (64, 1), (70, 1), (200, 1), (17, 1)]
 needs_kernel = pytest.mark.skipif(cpu_decode._library() is None, reason="no C compiler built the kernel")
 
 
-@pytest.fixture
-def kernel_off() -> Iterator[None]:
-    cpu_decode.enabled = False
+@pytest.fixture(autouse=True)
+def kernel_on() -> Iterator[None]:
+    """The kernel's tests run it on any CPU that builds it (the default uses it on AVX-512F only)."""
+    cpu_decode.enabled = True
     try:
         yield
     finally:
-        cpu_decode.enabled = True
+        cpu_decode.enabled = None
+
+
+@pytest.fixture
+def kernel_off(kernel_on: None) -> Iterator[None]:
+    cpu_decode.enabled = False
+    yield
 
 
 def run(batch: object, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -205,3 +212,16 @@ def test_calls_from_several_threads_at_once_each_get_their_rows(two_threads: Non
             got = list(pool.map(run, batches))
             for want, have in zip(expected, got):
                 torch.testing.assert_close(have, want, atol=0, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("wide", [True, False], ids=["avx512f", "avx2"])
+def test_by_default_the_kernel_serves_cpus_of_its_vector_width(
+    monkeypatch: pytest.MonkeyPatch, wide: bool
+) -> None:
+    batch = make_batch(DECODE, num_heads=4, num_kv_heads=2, head_dim=32)
+    monkeypatch.setattr(cpu_decode, "enabled", None)
+    monkeypatch.setattr(cpu_decode, "wide_vectors", lambda: wide)
+    assert cpu_decode.usable(batch.query, batch.k_cache, batch.v_cache) is wide
+    expected = reference(batch, None, None)
+    torch.testing.assert_close(run(batch).float(), expected, atol=2e-5, rtol=2e-5)  # either way, the same
