@@ -385,26 +385,36 @@ def test_silent_connections_cannot_keep_a_new_tenant_out(
 # -- item 12: log amplification ---------------------------------------------------------
 
 
+def send_unread(kvd: RunningDaemon, op: str, num_requests: int, small_buffers: bool = False) -> None:
+    """Send ``num_requests`` of ``op`` on one DEALER that never reads a reply, and return once
+    the daemon has served them (a registration sent last is seen). ``small_buffers``: this
+    side buffers next to nothing either."""
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        if small_buffers:
+            dealer.setsockopt(zmq.RCVHWM, 1)
+            dealer.setsockopt(zmq.RCVBUF, 4096)
+        dealer.connect(kvd.daemon.paths.control_endpoint)
+        for request_id in range(num_requests):
+            dealer.send(request(request_id, op, {}))
+        marker = {"name": "marker", "spec": small_spec().to_wire(), "num_virtual_pages": 1}
+        dealer.send(request(num_requests, "register", marker))  # served after all the rest
+        with closing(kvd.client()) as client:
+            wait_until(lambda: "marker" in {t["name"] for t in client.status()["tenants"]},
+                     30, "the requests were not served")
+        dealer.close()
+    finally:
+        ctx.term()
+
+
 def test_unread_replies_are_counted_not_logged_one_by_one(
     kvd: RunningDaemon, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="kvdaemon.daemon.server")
     num_requests = 20_000
-    ctx = zmq.Context()
-    try:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(kvd.daemon.paths.control_endpoint)
-        for request_id in range(num_requests):  # never reads a reply
-            dealer.send(request(request_id, "hello", {}))
-        marker = {"name": "marker", "spec": small_spec().to_wire(), "num_virtual_pages": 1}
-        dealer.send(request(num_requests, "register", marker))  # served after all the rest
-        with closing(kvd.client()) as client:
-            wait_until(lambda: "marker" in {t["name"] for t in client.status()["tenants"]},
-                     30, "the flood was not served")
-        dealer.close()
-    finally:
-        ctx.term()
+    send_unread(kvd, "hello", num_requests)
     lines = [r for r in caplog.records if "could not reply" in r.getMessage()]
     assert 1 <= len(lines) <= 3, len(lines)
     num_dropped = kvd.daemon.warnings.count("reply")
@@ -418,23 +428,7 @@ def test_replies_a_peer_leaves_unread_are_dropped_past_a_few(kvd: RunningDaemon)
     with closing(kvd.client()) as client:  # replies of tens of KiB: few fit in socket buffers
         for i in range(300):
             client.call("set_limit", {"name": f"{i:04d}" + "n" * 120, "max_bytes": 1 << 22})
-    ctx = zmq.Context()
-    try:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 1)  # this side buffers next to nothing either
-        dealer.setsockopt(zmq.RCVBUF, 4096)
-        dealer.connect(kvd.daemon.paths.control_endpoint)
-        for request_id in range(num_requests):  # never reads a reply
-            dealer.send(request(request_id, "status", {}))
-        marker = {"name": "marker", "spec": small_spec().to_wire(), "num_virtual_pages": 1}
-        dealer.send(request(num_requests, "register", marker))  # served after all the rest
-        with closing(kvd.client()) as client:
-            wait_until(lambda: "marker" in {t["name"] for t in client.status()["tenants"]},
-                     30, "the requests were not served")
-        dealer.close()
-    finally:
-        ctx.term()
+    send_unread(kvd, "status", num_requests, small_buffers=True)
     num_dropped = kvd.daemon.warnings.count("reply")
     assert num_dropped >= num_requests - 4 * server.CONTROL_SNDHWM, num_dropped
 
