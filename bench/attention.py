@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from report import save, verdict  # noqa: E402
 
+from kvdaemon.client import cpu_decode  # noqa: E402
 from kvdaemon.client.attention import paged_attention  # noqa: E402
 
 TARGET_RATIO = 1.5
@@ -130,16 +131,20 @@ def main() -> int:
             for context in CONTEXTS:
                 rows.append(run_case(batch, context, getattr(torch, name), args.rounds))
     print_rows(rows)
+    probe = Case(1, BLOCK_SIZE, torch.float32, seed=0)
+    path = (f"C kernel, {cpu_decode.lanes()} lanes, bf16 as {cpu_decode.bf16_path()}"
+            if cpu_decode.usable(probe.query, probe.k_cache, probe.v_cache) else "torch (gather + SDPA)")
+    print(f"paged path: {path}")
     worst = max(rows, key=lambda row: float(row["ratio"]))  # type: ignore[arg-type]
     worst_ratio = float(worst["ratio"])  # type: ignore[arg-type]
     print(f"worst ratio: {worst_ratio:.2f}x ({worst['dtype']} b{worst['batch']} ctx{worst['context']})   "
           f"target <= {TARGET_RATIO}x   {verdict(worst_ratio, TARGET_RATIO)}")
-    path = save("attention", {
+    saved = save("attention", {
         "shape": {"num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
-        "threads": torch.get_num_threads(), "rounds": args.rounds, "cases": rows,
+        "threads": torch.get_num_threads(), "rounds": args.rounds, "paged_path": path, "cases": rows,
         "worst_ratio": worst_ratio, "target_ratio": TARGET_RATIO,
     })
-    print(f"wrote {path}")
+    print(f"wrote {saved}")
     return 0
 
 

@@ -33,39 +33,41 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-fPIC
 BUILD_TIMEOUT_S = 120.0
 
 _lock = threading.Lock()
-_loaded: dict[Path, ctypes.CDLL | None] = {}
+_loaded: dict[tuple[Path, tuple[str, ...]], ctypes.CDLL | None] = {}
 
 
-def load(source: Path) -> ctypes.CDLL | None:
-    """The library built from ``source``, or ``None`` (logged once). Thread-safe; one build per process."""
+def load(source: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library built from ``source`` (with ``extra_flags`` after ``FLAGS``), or ``None`` (logged
+    once). Thread-safe; one build per source and flags per process."""
     with _lock:
-        if source not in _loaded:
-            _loaded[source] = _build_and_load(source)
-        return _loaded[source]
+        key = (source, extra_flags)
+        if key not in _loaded:
+            _loaded[key] = _build_and_load(source, extra_flags)
+        return _loaded[key]
 
 
-def _build_and_load(path: Path) -> ctypes.CDLL | None:
+def _build_and_load(path: Path, extra_flags: tuple[str, ...]) -> ctypes.CDLL | None:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler (cc or gcc): %s is not built; the portable path runs instead", path.name)
         return None
     try:
-        target = _cache_dir() / f"{path.stem}-{_fingerprint(path, compiler)}.so"
+        target = _cache_dir() / f"{path.stem}-{_fingerprint(path, compiler, extra_flags)}.so"
         if not target.exists():
-            _build(compiler, path, target)
+            _build(compiler, path, target, extra_flags)
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("building %s failed (%s); the portable path runs instead", path.name, exc)
         return None
 
 
-def _build(compiler: str, path: Path, target: Path) -> None:
+def _build(compiler: str, path: Path, target: Path, extra_flags: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(path)], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S, check=False)
+        done = subprocess.run([compiler, *FLAGS, *extra_flags, "-o", tmp, str(path)], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} exited {done.returncode}: {done.stderr.strip()[:2000]}")
         os.replace(tmp, target)
@@ -86,10 +88,10 @@ def _cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"kvdaemon-{os.getuid()}"
 
 
-def _fingerprint(path: Path, compiler: str) -> str:
+def _fingerprint(path: Path, compiler: str, extra_flags: tuple[str, ...]) -> str:
     """A hash of what the library depends on: source, flags, compiler, CPU."""
     digest = hashlib.sha256(path.read_bytes())
-    digest.update(" ".join(FLAGS).encode())
+    digest.update(" ".join(FLAGS + extra_flags).encode())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False)
     digest.update(version.stdout.encode())
     digest.update(platform.machine().encode())

@@ -5,15 +5,20 @@
  *
  * For each sequence (sequences are shared out over threads by their lengths; the
  * threads are torch's own OpenMP team where the caller passed its GOMP_parallel,
- * else started per call): positions are taken 16 at a time, and for each KV head
- * its query heads are served a few per pass (HEADS_PER_PASS: their query rows and
- * output rows stay in registers). Scores of the 16 positions are reduced together
- * (reduce16, no per-score horizontal sum), the online softmax keeps a running max
- * and sum per query head (fp32), and each V row is read once per pass and added to
- * every head of the pass. K and V are read in place, block by block; while a chunk
- * is computed, its V rows and the next chunk's K rows are prefetched into L2 a row
- * at a time (a burst of prefetches, or prefetches into L1, stall on the line-fill
- * buffers).
+ * else started per call): positions are taken VW at a time (a chunk; VW lanes per
+ * vector: 16 with AVX-512, else 8), and for each KV head its query heads are served
+ * a few per pass (their sums stay in registers). Scores of a chunk's positions are
+ * reduced together (reduce_lanes, no per-score horizontal sum), the online softmax
+ * keeps a running max and sum per query head (fp32), and each V row is read once per
+ * pass and added to every head of the pass. K and V are read in place, block by
+ * block; while a chunk is computed, its V rows and the next chunk's K rows are
+ * prefetched into L2 a row at a time (a burst of prefetches, or prefetches into L1,
+ * stall on the line-fill buffers).
+ *
+ * 16 lanes (32 registers): a pass keeps its query rows and its output rows in
+ * registers (HEADS_PER_PASS). 8 lanes (AVX2, 16 registers): attend_head8 serves all
+ * of a KV head's query heads per chunk, K vectors loaded once for up to 8 heads whose
+ * query rows are read from L1, V in blocks of two vectors for up to 4 heads.
  *
  * Semantics match the torch path: scores = q.k * scale, then softcap * tanh(s / softcap)
  * when softcap > 0; only positions p with len - window <= p < len when window > 0;
@@ -27,12 +32,12 @@
  * weights to bf16 before they meet V (as torch's bf16 SDPA does) and keep every sum
  * in fp32. A thread's tile configuration is put back as it was after each call.
  *
- * Types: fp32, bf16, fp16 (GCC vector extensions; vectors of 16 floats, which GCC
- * lowers to whatever the machine has). head_dim a multiple of 16, at most 256;
- * query heads per KV head at most MAX_GROUP.
+ * Types: fp32, bf16, fp16 (GCC vector extensions, which GCC lowers to whatever the
+ * machine has). head_dim a multiple of 16, at most 256; query heads per KV head at
+ * most MAX_GROUP.
  */
 #include <math.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <pthread.h>
@@ -40,14 +45,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h16 __attribute__((vector_size(32)));
-typedef _Float16 v16f16 __attribute__((vector_size(32)));
+/* Lanes per vector: 16 where the machine has 512-bit vectors, else 8 (AVX2: 256 bits, 16
+ * registers; GCC lowers 8-lane vectors to whatever other machines have). */
+#ifdef __AVX512F__
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh16 __attribute__((vector_size(VW * 2)));
+typedef _Float16 vf16 __attribute__((vector_size(VW * 2)));
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-#define MAX_ND 16    /* head_dim <= 256 */
+#define MAX_ND (256 / VW) /* vectors per row: head_dim <= 256 */
 #define MAX_GROUP 32 /* query heads per KV head */
 #define MAX_THREADS 64
 #ifdef __AVX512BF16__
@@ -83,31 +95,46 @@ struct decode_args {
     int32_t num_threads;
 };
 
-static inline v16 splat(float x) { return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#if VW == 16
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#else
+static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x}; }
+#endif
 
-static inline v16 vmax(v16 a, v16 b)
+static inline vf vmax(vf a, vf b)
 {
-    v16i m = a > b;
-    return (v16)((m & (v16i)a) | (~m & (v16i)b));
+    vi m = a > b;
+    return (vf)((m & (vi)a) | (~m & (vi)b));
 }
 
-static const v16i SWAP8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
-static const v16i SWAP4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
-static const v16i SWAP2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
-static const v16i SWAP1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+/* Lane i of SWAPk holds i xor k: shuffles that halve a vector's lanes into its sums. */
+#if VW == 16
+static const vi SWAP8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
+static const vi SWAP4 = {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11};
+static const vi SWAP2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};
+static const vi SWAP1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
+#else
+static const vi SWAP4 = {4, 5, 6, 7, 0, 1, 2, 3};
+static const vi SWAP2 = {2, 3, 0, 1, 6, 7, 4, 5};
+static const vi SWAP1 = {1, 0, 3, 2, 5, 4, 7, 6};
+#endif
 
-static inline float hsum(v16 v)
+static inline float hsum(vf v)
 {
+#if VW == 16
     v += __builtin_shuffle(v, SWAP8);
+#endif
     v += __builtin_shuffle(v, SWAP4);
     v += __builtin_shuffle(v, SWAP2);
     v += __builtin_shuffle(v, SWAP1);
     return v[0];
 }
 
-static inline float hmax(v16 v)
+static inline float hmax(vf v)
 {
+#if VW == 16
     v = vmax(v, __builtin_shuffle(v, SWAP8));
+#endif
     v = vmax(v, __builtin_shuffle(v, SWAP4));
     v = vmax(v, __builtin_shuffle(v, SWAP2));
     v = vmax(v, __builtin_shuffle(v, SWAP1));
@@ -116,13 +143,13 @@ static inline float hmax(v16 v)
 
 /* e^x for x <= 0 (clamped at -87): 2^n * e^f with |f| <= ln2/2, Taylor to degree 7
  * (relative error about 5e-9, below fp32's rounding). */
-static inline v16 vexp(v16 x)
+static inline vf vexp(vf x)
 {
     x = vmax(x, splat(-87.f));
-    v16 t = x * 1.4426950408889634f;
-    v16 n = (t + 12582912.f) - 12582912.f; /* round to nearest */
-    v16 f = (t - n) * 0.6931471805599453f;
-    v16 p = splat(1.f / 5040.f);
+    vf t = x * 1.4426950408889634f;
+    vf n = (t + 12582912.f) - 12582912.f; /* round to nearest */
+    vf f = (t - n) * 0.6931471805599453f;
+    vf p = splat(1.f / 5040.f);
     p = p * f + 1.f / 720.f;
     p = p * f + 1.f / 120.f;
     p = p * f + 1.f / 24.f;
@@ -130,28 +157,29 @@ static inline v16 vexp(v16 x)
     p = p * f + 0.5f;
     p = p * f + 1.f;
     p = p * f + 1.f;
-    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16)e;
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)e;
 }
 
 /* cap * tanh(x / cap), from e^(-2|x|/cap): never overflows. */
-static inline v16 vsoftcap(v16 x, float cap)
+static inline vf vsoftcap(vf x, float cap)
 {
-    v16i sign = (v16i)x & (v16i)splat(-0.f);
-    v16 ax = (v16)((v16i)x & ~(v16i)splat(-0.f));
-    v16 e = vexp(ax * (-2.f / cap));
-    v16 th = (1.f - e) / (1.f + e);
-    return (v16)((v16i)th | sign) * cap;
+    vi sign = (vi)x & (vi)splat(-0.f);
+    vf ax = (vf)((vi)x & ~(vi)splat(-0.f));
+    vf e = vexp(ax * (-2.f / cap));
+    vf th = (1.f - e) / (1.f + e);
+    return (vf)((vi)th | sign) * cap;
 }
 
 /* Whether any lane is set (a mask of compares). */
-static inline int any_lane(v16i x)
+static inline int any_lane(vi x)
 {
-#ifdef __AVX512F__
+#if VW == 16
     return _mm512_test_epi32_mask((__m512i)x, (__m512i)x) != 0;
+#elif defined(__AVX2__)
+    return !_mm256_testz_si256((__m256i)x, (__m256i)x);
 #else
-    v16i y = x | __builtin_shuffle(x, SWAP8);
-    y |= __builtin_shuffle(y, SWAP4);
+    vi y = x | __builtin_shuffle(x, SWAP4);
     y |= __builtin_shuffle(y, SWAP2);
     y |= __builtin_shuffle(y, SWAP1);
     return y[0] != 0;
@@ -162,9 +190,9 @@ static inline int any_lane(v16i x)
  * the weights e^(s - m), 0 outside keep. The running max *m moves only when a score
  * passes it; then *corr (else 1) is what the sums and outputs so far must be scaled
  * by, and *lv, the running sums (one per lane, added up at the end), is scaled here. */
-static inline v16 softmax_chunk(v16 s, v16i keep, float *m, v16 *lv, float *corr)
+static inline vf softmax_chunk(vf s, vi keep, float *m, vf *lv, float *corr)
 {
-    const v16 masked = (v16)(((v16i)s & keep) | (~keep & (v16i)splat(-INFINITY)));
+    const vf masked = (vf)(((vi)s & keep) | (~keep & (vi)splat(-INFINITY)));
     *corr = 1.f;
     if (any_lane(masked > splat(*m))) {
         const float top = hmax(masked);
@@ -172,33 +200,46 @@ static inline v16 softmax_chunk(v16 s, v16i keep, float *m, v16 *lv, float *corr
         *m = top;
         *lv *= *corr;
     }
-    return (v16)((v16i)vexp(s - *m) & keep);
+    return (vf)((vi)vexp(s - *m) & keep);
 }
 
-/* 16 vectors -> one vector of their 16 sums; lane i holds the sum of a[PERM[i]]. */
-static inline v16 reduce16(const v16 *a)
+/* VW vectors -> one vector of their VW sums; lane i holds the sum of a[PERM[i]]. Each
+ * level adds pairs of half-width slices of two vectors: VW - 1 adds, twice the shuffles. */
+static inline vf reduce_lanes(const vf *a)
 {
-    v16 b[8], c[4], d[2];
-    for (int k = 0; k < 8; k++)
-        b[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], (v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
-               __builtin_shuffle(a[2 * k], a[2 * k + 1], (v16i){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+#if VW == 8
+    vf b[4], c[2];
     for (int k = 0; k < 4; k++)
-        c[k] = __builtin_shuffle(b[2 * k], b[2 * k + 1], (v16i){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
-               __builtin_shuffle(b[2 * k], b[2 * k + 1], (v16i){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+        b[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], (vi){0, 1, 2, 3, 8, 9, 10, 11}) +
+               __builtin_shuffle(a[2 * k], a[2 * k + 1], (vi){4, 5, 6, 7, 12, 13, 14, 15});
     for (int k = 0; k < 2; k++)
-        d[k] = __builtin_shuffle(c[2 * k], c[2 * k + 1], (v16i){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
-               __builtin_shuffle(c[2 * k], c[2 * k + 1], (v16i){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
-    return __builtin_shuffle(d[0], d[1], (v16i){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
-           __builtin_shuffle(d[0], d[1], (v16i){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+        c[k] = __builtin_shuffle(b[2 * k], b[2 * k + 1], (vi){0, 1, 8, 9, 4, 5, 12, 13}) +
+               __builtin_shuffle(b[2 * k], b[2 * k + 1], (vi){2, 3, 10, 11, 6, 7, 14, 15});
+    return __builtin_shuffle(c[0], c[1], (vi){0, 8, 2, 10, 4, 12, 6, 14}) +
+           __builtin_shuffle(c[0], c[1], (vi){1, 9, 3, 11, 5, 13, 7, 15});
+#else
+    vf b[8], c[4], d[2];
+    for (int k = 0; k < 8; k++)
+        b[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], (vi){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+               __builtin_shuffle(a[2 * k], a[2 * k + 1], (vi){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int k = 0; k < 4; k++)
+        c[k] = __builtin_shuffle(b[2 * k], b[2 * k + 1], (vi){0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}) +
+               __builtin_shuffle(b[2 * k], b[2 * k + 1], (vi){4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31});
+    for (int k = 0; k < 2; k++)
+        d[k] = __builtin_shuffle(c[2 * k], c[2 * k + 1], (vi){0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}) +
+               __builtin_shuffle(c[2 * k], c[2 * k + 1], (vi){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31});
+    return __builtin_shuffle(d[0], d[1], (vi){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}) +
+           __builtin_shuffle(d[0], d[1], (vi){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31});
+#endif
 }
 
-static int PERM[16];    /* filled once by kvd_decode_init */
-static v16i INVPERM;    /* lane of token t in reduce16's result */
+static int PERM[VW]; /* filled once by kvd_decode_init */
+static vi INVPERM;   /* lane of token t in reduce_lanes's result */
 
 /* One chunk's weights for one query head from its scaled scores s: softcap, the online
  * softmax (softmax_chunk), and the weights added to the head's running sums *lv. */
-static inline __attribute__((always_inline)) v16 chunk_weights(const struct decode_args *a, v16 s, v16i keep,
-                                                              float *m, v16 *lv, float *corr)
+static inline __attribute__((always_inline)) vf chunk_weights(const struct decode_args *a, vf s, vi keep,
+                                                              float *m, vf *lv, float *corr)
 {
     if (a->softcap > 0.f)
         s = vsoftcap(s, a->softcap);
@@ -221,8 +262,8 @@ static inline __attribute__((always_inline)) void prefetch_rows(const char *v_ro
 
 /* The outputs of query heads [j0, j0 + np) into registers, scaled by their corr (the
  * softmax's max moved), and back: a pass accumulates its V rows in o in between. */
-static inline __attribute__((always_inline)) void outputs_in(const v16 *acc, int64_t j0, int np, int P, int64_t nd,
-                                                            const float *corr, v16 (*o)[MAX_ND])
+static inline __attribute__((always_inline)) void outputs_in(const vf *acc, int64_t j0, int np, int P, int64_t nd,
+                                                            const float *corr, vf (*o)[MAX_ND])
 {
 #pragma GCC unroll 4
     for (int p = 0; p < P; p++) {
@@ -234,8 +275,8 @@ static inline __attribute__((always_inline)) void outputs_in(const v16 *acc, int
     }
 }
 
-static inline __attribute__((always_inline)) void outputs_out(v16 *acc, int64_t j0, int np, int P, int64_t nd,
-                                                             v16 (*o)[MAX_ND])
+static inline __attribute__((always_inline)) void outputs_out(vf *acc, int64_t j0, int np, int P, int64_t nd,
+                                                             vf (*o)[MAX_ND])
 {
 #pragma GCC unroll 4
     for (int p = 0; p < P; p++) {
@@ -247,39 +288,47 @@ static inline __attribute__((always_inline)) void outputs_out(v16 *acc, int64_t 
     }
 }
 
-static inline __attribute__((always_inline)) v16 load16(const void *base, int64_t i, int dt)
+static inline __attribute__((always_inline)) vf loadv(const void *base, int64_t i, int dt)
 {
     if (dt == DT_F32) {
-        v16 x;
+        vf x;
         memcpy(&x, (const float *)base + i, sizeof x);
         return x;
     }
     if (dt == DT_BF16) {
-        v16h16 h;
+        vh16 h;
         memcpy(&h, (const uint16_t *)base + i, sizeof h);
-        return (v16)(__builtin_convertvector(h, v16u) << 16);
+        return (vf)(__builtin_convertvector(h, vu) << 16);
     }
-    v16f16 h;
+#if VW == 8 && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)base + i)));
+#else
+    vf16 h;
     memcpy(&h, (const _Float16 *)base + i, sizeof h);
-    return __builtin_convertvector(h, v16);
+    return __builtin_convertvector(h, vf);
+#endif
 }
 
-static inline __attribute__((always_inline)) void store16(void *base, int64_t i, v16 x, int dt)
+static inline __attribute__((always_inline)) void storev(void *base, int64_t i, vf x, int dt)
 {
     if (dt == DT_F32) {
         memcpy((float *)base + i, &x, sizeof x);
     } else if (dt == DT_BF16) {
-        v16u bits = (v16u)x;
+        vu bits = (vu)x;
         bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
-        v16h16 h = __builtin_convertvector(bits >> 16, v16h16);
+        vh16 h = __builtin_convertvector(bits >> 16, vh16);
         memcpy((uint16_t *)base + i, &h, sizeof h);
     } else {
-        v16f16 h = __builtin_convertvector(x, v16f16);
+#if VW == 8 && defined(__F16C__)
+        _mm_storeu_si128((__m128i *)((_Float16 *)base + i), _mm256_cvtps_ph((__m256)x, _MM_FROUND_TO_NEAREST_INT));
+#else
+        vf16 h = __builtin_convertvector(x, vf16);
         memcpy((_Float16 *)base + i, &h, sizeof h);
+#endif
     }
 }
 
-/* Rows of one chunk of 16 positions from t0 (ntok of them real; the others repeat
+/* Rows of one chunk of VW positions from t0 (ntok of them real; the others repeat
  * position t0, so every row read is one of the sequence's): block and slot found by
  * counting, not dividing. */
 static inline void chunk_rows(const struct decode_args *a, const int32_t *table, int64_t t0, int64_t ntok, int esize,
@@ -287,7 +336,7 @@ static inline void chunk_rows(const struct decode_args *a, const int32_t *table,
 {
     const int64_t bs = a->block_size;
     int64_t b = t0 / bs, slot = t0 % bs;
-    for (int t = 0; t < 16; t++) {
+    for (int t = 0; t < VW; t++) {
         const int64_t block = table[b];
         kr[t] = (const char *)a->k_cache + (block * a->k_block + slot * a->k_slot) * esize;
         vr[t] = (const char *)a->v_cache + (block * a->v_block + slot * a->v_slot) * esize;
@@ -305,22 +354,22 @@ static inline void chunk_rows(const struct decode_args *a, const int32_t *table,
  * (P * ND vectors each, 16 at most). */
 #define HEADS_PER_PASS(ND) ((ND) == 0 ? 1 : (ND) <= 4 ? 4 : (ND) <= 8 ? 2 : 1)
 
-/* One chunk of 16 positions for query heads [j0, j0 + np) of KV head h: scores, the
+/* One chunk of VW positions for query heads [j0, j0 + np) of KV head h: scores, the
  * online softmax update of m, l and acc, and the weighted V rows added to acc. */
 static inline __attribute__((always_inline)) void attend_chunk(const struct decode_args *a, const char *const *kr,
                                                               const char *const *vr, const char *const *next_k,
-                                                              int nnext, int64_t ntok, v16i keep,
-                                                              int64_t h, int64_t j0, int np, const v16 *qv, v16 *acc,
-                                                              float *m, v16 *lv, int dt, int ND)
+                                                              int nnext, int64_t ntok, vi keep,
+                                                              int64_t h, int64_t j0, int np, const vf *qv, vf *acc,
+                                                              float *m, vf *lv, int dt, int ND)
 {
     enum { MAXP = 4 };
     const int P = HEADS_PER_PASS(ND);
-    const int64_t nd = ND ? ND : a->head_dim / 16;
+    const int64_t nd = ND ? ND : a->head_dim / VW;
     const int64_t esize = dt == DT_F32 ? 4 : 2, koff = h * a->k_head * esize, voff = h * a->v_head * esize;
-    v16 part[MAXP][16];
-    float w[MAXP][16] __attribute__((aligned(64)));
+    vf part[MAXP][VW];
+    float w[MAXP][VW] __attribute__((aligned(64)));
     float corr[MAXP];
-    for (int t = 0; t < 16; t++) {
+    for (int t = 0; t < VW; t++) {
         const char *k = kr[t] + koff;
         if (next_k) /* this chunk's V row and the next chunk's K row, a token at a time */
             prefetch_rows(vr[t] + voff, t < nnext ? next_k[t] + koff : NULL, a->head_dim * esize);
@@ -328,11 +377,11 @@ static inline __attribute__((always_inline)) void attend_chunk(const struct deco
         for (int p = 0; p < P; p++) {
             if (p >= np)
                 break;
-            const v16 *q = qv + (j0 + p) * nd;
-            v16 x = q[0] * load16(k, 0, dt);
+            const vf *q = qv + (j0 + p) * nd;
+            vf x = q[0] * loadv(k, 0, dt);
 #pragma GCC unroll 16
             for (int64_t c = 1; c < nd; c++)
-                x += q[c] * load16(k, c * 16, dt);
+                x += q[c] * loadv(k, c * VW, dt);
             part[p][t] = x;
         }
     }
@@ -341,22 +390,22 @@ static inline __attribute__((always_inline)) void attend_chunk(const struct deco
         if (p >= np)
             break;
         const int64_t j = j0 + p;
-        const v16 s = __builtin_shuffle(chunk_weights(a, reduce16(part[p]), keep, &m[j], &lv[j], &corr[p]), INVPERM);
+        const vf s = __builtin_shuffle(chunk_weights(a, reduce_lanes(part[p]), keep, &m[j], &lv[j], &corr[p]), INVPERM);
         memcpy(w[p], &s, sizeof s);
     }
-    v16 o[MAXP][MAX_ND];
+    vf o[MAXP][MAX_ND];
     outputs_in(acc, j0, np, P, nd, corr, o);
     for (int64_t t = 0; t < ntok; t++) {
         const char *v = vr[t] + voff;
-        v16 vv[MAX_ND];
+        vf vv[MAX_ND];
 #pragma GCC unroll 16
         for (int64_t c = 0; c < nd; c++)
-            vv[c] = load16(v, c * 16, dt);
+            vv[c] = loadv(v, c * VW, dt);
 #pragma GCC unroll 4
         for (int p = 0; p < P; p++) {
             if (p >= np)
                 break;
-            const v16 weight = splat(w[p][t]);
+            const vf weight = splat(w[p][t]);
 #pragma GCC unroll 16
             for (int64_t c = 0; c < nd; c++)
                 o[p][c] += weight * vv[c];
@@ -364,6 +413,121 @@ static inline __attribute__((always_inline)) void attend_chunk(const struct deco
     }
     outputs_out(acc, j0, np, P, nd, o);
 }
+
+#if VW == 8
+/* The 8-lane path (AVX2: 16 registers) serves all g query heads of a KV head per chunk
+ * of 8 positions, in passes sized at compile time (8, 4 or 1 heads; 4, 2 or 1 for V)
+ * so every sum stays in a register: scores_pass loads each K vector once for its heads
+ * (their query rows read from L1), values_pass each V vector once for its heads. */
+
+/* Scores of query heads [0, NP) of q (rows of nd vectors) against the chunk's 8 K rows:
+ * part[p][t] holds head p's 8 partial sums at position t. NP + 1 registers. When next_k
+ * is not NULL, prefetches this chunk's V rows and the next chunk's K rows (row_bytes). */
+static inline __attribute__((always_inline)) void scores_pass(const char *const *kr, const char *const *vr,
+                                                             const char *const *next_k, int nnext, int64_t koff,
+                                                             int64_t voff, int64_t row_bytes, const vf *q,
+                                                             int64_t nd, int dt, int NP, vf (*part)[8])
+{
+    for (int t = 0; t < 8; t++) {
+        const char *k = kr[t] + koff;
+        if (next_k)
+            prefetch_rows(vr[t] + voff, t < nnext ? next_k[t] + koff : NULL, row_bytes);
+        vf x[8];
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; p++)
+            x[p] = splat(0.f);
+#pragma GCC unroll 32
+        for (int64_t c = 0; c < nd; c++) {
+            const vf kc = loadv(k, c * 8, dt);
+#pragma GCC unroll 8
+            for (int p = 0; p < NP; p++)
+                x[p] += q[p * nd + c] * kc;
+        }
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; p++)
+            part[p][t] = x[p];
+    }
+}
+
+/* Output rows of query heads [0, NP) of acc, scaled by their corr, plus the chunk's ntok
+ * V rows weighted by w: two vectors of dims at a time, 2 * NP sums in registers. */
+static inline __attribute__((always_inline)) void values_pass(const char *const *vr, int64_t voff, int64_t ntok,
+                                                             const float (*w)[8], const float *corr, vf *acc,
+                                                             int64_t nd, int dt, int NP)
+{
+    for (int64_t c = 0; c < nd; c += 2) {
+        vf o[4][2];
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++) {
+            o[p][0] = acc[p * nd + c] * corr[p];
+            o[p][1] = acc[p * nd + c + 1] * corr[p];
+        }
+        for (int64_t t = 0; t < ntok; t++) {
+            const char *v = vr[t] + voff;
+            const vf v0 = loadv(v, c * 8, dt), v1 = loadv(v, c * 8 + 8, dt);
+#pragma GCC unroll 4
+            for (int p = 0; p < NP; p++) {
+                const vf weight = splat(w[p][t]);
+                o[p][0] += weight * v0;
+                o[p][1] += weight * v1;
+            }
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < NP; p++) {
+            acc[p * nd + c] = o[p][0];
+            acc[p * nd + c + 1] = o[p][1];
+        }
+    }
+}
+
+/* One chunk of 8 positions for the g query heads of KV head h: scores, the online
+ * softmax update of m, lv and acc, and the weighted V rows added to acc. */
+static inline __attribute__((always_inline)) void attend_head8(const struct decode_args *a, const char *const *kr,
+                                                              const char *const *vr, const char *const *next_k,
+                                                              int nnext, int64_t ntok, vi keep, int64_t h,
+                                                              const vf *qv, vf *acc, float *m, vf *lv, int dt,
+                                                              int ND)
+{
+    const int64_t nd = ND ? ND : a->head_dim / 8, g = a->group, j0 = h * g;
+    const int64_t esize = dt == DT_F32 ? 4 : 2, koff = h * a->k_head * esize, voff = h * a->v_head * esize;
+    const int64_t row_bytes = a->head_dim * esize;
+    vf part[MAX_GROUP][8];
+    float w[MAX_GROUP][8] __attribute__((aligned(32)));
+    float corr[MAX_GROUP];
+    for (int64_t p = 0; p < g;) { /* the first pass prefetches */
+        const char *const *pf = p == 0 ? next_k : NULL;
+        const vf *q = qv + (j0 + p) * nd;
+        if (g - p >= 8) {
+            scores_pass(kr, vr, pf, nnext, koff, voff, row_bytes, q, nd, dt, 8, part + p);
+            p += 8;
+        } else if (g - p >= 4) {
+            scores_pass(kr, vr, pf, nnext, koff, voff, row_bytes, q, nd, dt, 4, part + p);
+            p += 4;
+        } else {
+            scores_pass(kr, vr, pf, nnext, koff, voff, row_bytes, q, nd, dt, 1, part + p);
+            p += 1;
+        }
+    }
+    for (int64_t p = 0; p < g; p++) {
+        const vf s = chunk_weights(a, reduce_lanes(part[p]), keep, &m[j0 + p], &lv[j0 + p], &corr[p]);
+        const vf in_order = __builtin_shuffle(s, INVPERM);
+        memcpy(w[p], &in_order, sizeof in_order);
+    }
+    for (int64_t p = 0; p < g;) {
+        vf *out = acc + (j0 + p) * nd;
+        if (g - p >= 4) {
+            values_pass(vr, voff, ntok, w + p, corr + p, out, nd, dt, 4);
+            p += 4;
+        } else if (g - p >= 2) {
+            values_pass(vr, voff, ntok, w + p, corr + p, out, nd, dt, 2);
+            p += 2;
+        } else {
+            values_pass(vr, voff, ntok, w + p, corr + p, out, nd, dt, 1);
+            p += 1;
+        }
+    }
+}
+#endif
 
 #if DOT_BF16
 /* bf16 by the dot instruction (vdpbf16ps, where the machine has it): q.k as sums of
@@ -377,15 +541,15 @@ static inline __m512bh load_bh(const char *p) { return (__m512bh)_mm512_loadu_si
 
 static inline __attribute__((always_inline)) void attend_chunk_dot(const struct decode_args *a, const char *const *kr,
                                                                   const char *const *vr, const char *const *next_k,
-                                                                  int nnext, int64_t ntok, v16i keep, int64_t h,
-                                                                  int64_t j0, int np, const v16 *qv, v16 *acc,
-                                                                  float *m, v16 *lv, int N2)
+                                                                  int nnext, int64_t ntok, vi keep, int64_t h,
+                                                                  int64_t j0, int np, const vf *qv, vf *acc,
+                                                                  float *m, vf *lv, int N2)
 {
     enum { MAXP = 4 };
     const int P = HEADS_PER_PASS(2 * N2);
     const int64_t n2 = N2 ? N2 : a->head_dim / 32, nd = 2 * n2;
     const int64_t koff = h * a->k_head * 2, voff = h * a->v_head * 2;
-    v16 part[MAXP][16];
+    vf part[MAXP][16];
     uint32_t w[MAXP][8] __attribute__((aligned(32)));
     float corr[MAXP];
     for (int t = 0; t < 16; t++) {
@@ -401,7 +565,7 @@ static inline __attribute__((always_inline)) void attend_chunk_dot(const struct 
 #pragma GCC unroll 8
             for (int64_t c = 1; c < n2; c++)
                 x = _mm512_dpbf16_ps(x, q[c], load_bh(k + c * 64));
-            part[p][t] = (v16)x;
+            part[p][t] = (vf)x;
         }
     }
 #pragma GCC unroll 4
@@ -409,11 +573,11 @@ static inline __attribute__((always_inline)) void attend_chunk_dot(const struct 
         if (p >= np)
             break;
         const int64_t j = j0 + p;
-        const v16 s = chunk_weights(a, reduce16(part[p]) * a->scale, keep, &m[j], &lv[j], &corr[p]);
+        const vf s = chunk_weights(a, reduce_lanes(part[p]) * a->scale, keep, &m[j], &lv[j], &corr[p]);
         const __m256bh rounded = _mm512_cvtneps_pbh((__m512)__builtin_shuffle(s, INVPERM));
         memcpy(w[p], &rounded, sizeof rounded);
     }
-    v16 o[MAXP][MAX_ND];
+    vf o[MAXP][MAX_ND];
     outputs_in(acc, j0, np, P, nd, corr, o);
     for (int64_t tp = 0; 2 * tp < ntok; tp++) {
         const char *v0 = vr[2 * tp] + voff, *v1 = vr[2 * tp + 1] + voff;
@@ -431,8 +595,8 @@ static inline __attribute__((always_inline)) void attend_chunk_dot(const struct 
             const __m512bh weight = (__m512bh)_mm512_set1_epi32((int)w[p][tp]);
 #pragma GCC unroll 8
             for (int64_t c = 0; c < n2; c++) {
-                o[p][2 * c] = (v16)_mm512_dpbf16_ps((__m512)o[p][2 * c], weight, lo[c]);
-                o[p][2 * c + 1] = (v16)_mm512_dpbf16_ps((__m512)o[p][2 * c + 1], weight, hi[c]);
+                o[p][2 * c] = (vf)_mm512_dpbf16_ps((__m512)o[p][2 * c], weight, lo[c]);
+                o[p][2 * c + 1] = (vf)_mm512_dpbf16_ps((__m512)o[p][2 * c + 1], weight, hi[c]);
             }
         }
     }
@@ -544,8 +708,8 @@ static inline int tiles_for(const struct decode_args *a)
 
 static inline __attribute__((always_inline)) void attend_head_amx(const struct decode_args *a, const char *const *kr,
                                                                  const char *const *vr, const char *const *next_k,
-                                                                 int nnext, v16i keep, int64_t h, const v16 *qv,
-                                                                 v16 *acc, float *m, v16 *lv, int N2)
+                                                                 int nnext, vi keep, int64_t h, const vf *qv,
+                                                                 vf *acc, float *m, vf *lv, int N2)
 {
     const int64_t n2 = N2 ? N2 : a->head_dim / 32, nd = 2 * n2, g = a->group;
     const int64_t koff = h * a->k_head * 2, voff = h * a->v_head * 2;
@@ -565,7 +729,7 @@ static inline __attribute__((always_inline)) void attend_head_amx(const struct d
     }
     _tile_stored(T_S, scores, 64);
     for (int64_t r = 0; r < g; r++) {
-        v16 x;
+        vf x;
         memcpy(&x, scores[r], sizeof x);
         x = chunk_weights(a, x * a->scale, keep, &m[h * g + r], &lv[h * g + r], &corr[r]);
         const __m256bh rounded = _mm512_cvtneps_pbh((__m512)x);
@@ -579,7 +743,7 @@ static inline __attribute__((always_inline)) void attend_head_amx(const struct d
         _tile_dpbf16ps(T_O, T_P, T_V);
         _tile_stored(T_O, out, 64);
         for (int64_t r = 0; r < g; r++) {
-            v16 y;
+            vf y;
             memcpy(&y, out[r], sizeof y);
             acc[(h * g + r) * nd + c] = acc[(h * g + r) * nd + c] * corr[r] + y;
         }
@@ -589,26 +753,25 @@ static inline __attribute__((always_inline)) void attend_head_amx(const struct d
 
 /* One sequence, every head. work: (2 * nd + 1) * heads vectors; ml: heads floats.
  * Returns -1 (nothing written) on a block id outside the cache. */
-static inline __attribute__((always_inline)) int run_seq(const struct decode_args *a, int64_t i, v16 *work,
+static inline __attribute__((always_inline)) int run_seq(const struct decode_args *a, int64_t i, vf *work,
                                                          float *ml, int dt, int ND, int dot)
 {
-    const int64_t nd = ND ? ND : a->head_dim / 16;
+    const int64_t nd = ND ? ND : a->head_dim / VW;
     const int64_t kvh = a->num_kv_heads, g = a->group, heads = kvh * g, bs = a->block_size;
     const int esize = dt == DT_F32 ? 4 : 2;
-    const int P = HEADS_PER_PASS(ND);
     const int64_t seq = a->seq_ids[i], len = a->seq_lens[seq];
     const int32_t *table = a->block_tables + seq * a->table_row;
     const int64_t start = a->window > 0 && len > a->window ? len - a->window : 0;
-    v16 *qv = work, *acc = work + heads * nd;
-    v16 *lv = acc + heads * nd;
+    vf *qv = work, *acc = work + heads * nd;
+    vf *lv = acc + heads * nd;
     float *m = ml;
     for (int64_t j = 0; j < heads; j++) {
         const int64_t q0 = a->rows[i] * a->query_row + j * a->query_head;
         for (int64_t c = 0; c < nd; c++) {
             if (!dot)
-                qv[j * nd + c] = load16(a->query, q0 + c * 16, dt) * a->scale;
+                qv[j * nd + c] = loadv(a->query, q0 + c * VW, dt) * a->scale;
             else if (2 * c < nd) /* bf16 as it is, 32 to a vector */
-                memcpy(&qv[j * nd + c], (const uint16_t *)a->query + q0 + c * 32, sizeof(v16));
+                memcpy(&qv[j * nd + c], (const uint16_t *)a->query + q0 + c * 32, sizeof(vf));
             acc[j * nd + c] = splat(0.f);
         }
         m[j] = -INFINITY;
@@ -617,18 +780,23 @@ static inline __attribute__((always_inline)) int run_seq(const struct decode_arg
     for (int64_t b = start / bs; len > 0 && b <= (len - 1) / bs; b++)
         if (table[b] < 0 || table[b] >= a->num_blocks)
             return -1;
-    const char *kr[16], *vr[16], *next_k[16], *next_v[16];
-    chunk_rows(a, table, start, len - start < 16 ? len - start : 16, esize, kr, vr);
-    for (int64_t t0 = start; t0 < len; t0 += 16) {
-        const int64_t ntok = len - t0 < 16 ? len - t0 : 16, nnext = len - t0 - 16 < 16 ? len - t0 - 16 : 16;
+    const char *kr[VW], *vr[VW], *next_k[VW], *next_v[VW];
+    chunk_rows(a, table, start, len - start < VW ? len - start : VW, esize, kr, vr);
+    for (int64_t t0 = start; t0 < len; t0 += VW) {
+        const int64_t ntok = len - t0 < VW ? len - t0 : VW, nnext = len - t0 - VW < VW ? len - t0 - VW : VW;
         if (nnext > 0)
-            chunk_rows(a, table, t0 + 16, nnext, esize, next_k, next_v);
-        v16i keep, keep_tok;
-        for (int lane = 0; lane < 16; lane++) {
+            chunk_rows(a, table, t0 + VW, nnext, esize, next_k, next_v);
+        vi keep, keep_tok;
+        for (int lane = 0; lane < VW; lane++) {
             keep[lane] = PERM[lane] < ntok ? -1 : 0;
             keep_tok[lane] = lane < ntok ? -1 : 0;
         }
         for (int64_t h = 0; h < kvh; h++) {
+#if VW == 8
+            attend_head8(a, kr, vr, next_k, (int)nnext, ntok, keep, h, qv, acc, m, lv, dt, ND);
+            (void)keep_tok;
+#else
+            const int P = HEADS_PER_PASS(ND);
 #if AMX_BF16
             if (dot && tiles_for(a)) {
                 attend_head_amx(a, kr, vr, next_k, (int)nnext, keep_tok, h, qv, acc, m, lv, ND / 2);
@@ -647,6 +815,7 @@ static inline __attribute__((always_inline)) int run_seq(const struct decode_arg
                 attend_chunk(a, kr, vr, j0 == h * g ? next_k : NULL, (int)nnext, ntok, keep, h, j0, np, qv, acc, m,
                              lv, dt, ND);
             }
+#endif
         }
         if (nnext > 0) {
             memcpy(kr, next_k, sizeof kr);
@@ -655,38 +824,40 @@ static inline __attribute__((always_inline)) int run_seq(const struct decode_arg
     }
     for (int64_t j = 0; j < heads; j++) {
         const float sum = hsum(lv[j]), inv = sum > 0.f ? 1.f / sum : 0.f;
-        v16 *row = acc + j * nd;
+        vf *row = acc + j * nd;
+#if DOT_BF16
         for (int64_t c = 0; dot && c < nd; c += 2) { /* the dot path's lanes back in dim order */
-            const v16 x = row[c], y = row[c + 1];
-            row[c] = __builtin_shuffle(x, y, (v16i){0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23});
-            row[c + 1] = __builtin_shuffle(x, y, (v16i){8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31});
+            const vf x = row[c], y = row[c + 1];
+            row[c] = __builtin_shuffle(x, y, (vi){0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23});
+            row[c + 1] = __builtin_shuffle(x, y, (vi){8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31});
         }
+#endif
         for (int64_t c = 0; c < nd; c++)
-            store16(a->out, a->rows[i] * a->out_row + j * a->out_head + c * 16, row[c] * inv, dt);
+            storev(a->out, a->rows[i] * a->out_row + j * a->out_head + c * VW, row[c] * inv, dt);
     }
     return 0;
 }
 
-typedef int (*seq_fn)(const struct decode_args *, int64_t, v16 *, float *);
+typedef int (*seq_fn)(const struct decode_args *, int64_t, vf *, float *);
 
 #define VARIANT(NAME, DT, ND, DOT)                                               \
-    static int NAME(const struct decode_args *a, int64_t i, v16 *w, float *ml) \
+    static int NAME(const struct decode_args *a, int64_t i, vf *w, float *ml) \
     {                                                                            \
         return run_seq(a, i, w, ml, DT, ND, DOT);                                \
     }
 VARIANT(f32_any, DT_F32, 0, 0)
-VARIANT(f32_d32, DT_F32, 2, 0)
-VARIANT(f32_d64, DT_F32, 4, 0)
-VARIANT(f32_d128, DT_F32, 8, 0)
+VARIANT(f32_d32, DT_F32, 32 / VW, 0)
+VARIANT(f32_d64, DT_F32, 64 / VW, 0)
+VARIANT(f32_d128, DT_F32, 128 / VW, 0)
 VARIANT(bf16_any, DT_BF16, 0, 0)
 VARIANT(bf16_dot_any, DT_BF16, 0, DOT_BF16)
-VARIANT(bf16_d32, DT_BF16, 2, DOT_BF16)
-VARIANT(bf16_d64, DT_BF16, 4, DOT_BF16)
-VARIANT(bf16_d128, DT_BF16, 8, DOT_BF16)
+VARIANT(bf16_d32, DT_BF16, 32 / VW, DOT_BF16)
+VARIANT(bf16_d64, DT_BF16, 64 / VW, DOT_BF16)
+VARIANT(bf16_d128, DT_BF16, 128 / VW, DOT_BF16)
 VARIANT(f16_any, DT_F16, 0, 0)
-VARIANT(f16_d32, DT_F16, 2, 0)
-VARIANT(f16_d64, DT_F16, 4, 0)
-VARIANT(f16_d128, DT_F16, 8, 0)
+VARIANT(f16_d32, DT_F16, 32 / VW, 0)
+VARIANT(f16_d64, DT_F16, 64 / VW, 0)
+VARIANT(f16_d128, DT_F16, 128 / VW, 0)
 
 static seq_fn pick(int dt, int64_t head_dim)
 {
@@ -709,8 +880,8 @@ static void *run_share(void *arg)
 {
     struct share *sh = arg;
     const struct decode_args *a = sh->a;
-    const int64_t heads = a->num_kv_heads * a->group, nd = a->head_dim / 16;
-    v16 *work = aligned_alloc(64, sizeof(v16) * (size_t)((2 * nd + 1) * heads));
+    const int64_t heads = a->num_kv_heads * a->group, nd = a->head_dim / VW;
+    vf *work = aligned_alloc(64, sizeof(vf) * (size_t)((2 * nd + 1) * heads));
     float *ml = malloc(sizeof(float) * (size_t)heads);
     seq_fn fn = pick(a->dtype, a->head_dim);
     sh->status = work && ml ? 0 : -2;
@@ -768,13 +939,13 @@ void kvd_decode_init(void)
 #if AMX_BF16
     amx_ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 #endif
-    v16 a[16];
-    for (int t = 0; t < 16; t++) {
+    vf a[VW];
+    for (int t = 0; t < VW; t++) {
         a[t] = splat(0.f);
         a[t][0] = (float)t;
     }
-    v16 r = reduce16(a);
-    for (int lane = 0; lane < 16; lane++) {
+    vf r = reduce_lanes(a);
+    for (int lane = 0; lane < VW; lane++) {
         PERM[lane] = (int)r[lane];
         INVPERM[PERM[lane]] = lane;
     }
@@ -785,6 +956,9 @@ void kvd_decode_init(void)
  * 32), 2 the tile path is built in, 4 the kernel let this process use the tiles. */
 int kvd_decode_bf16_paths(void) { return DOT_BF16 | AMX_BF16 << 1 | amx_ok << 2; }
 
+/* Lanes per vector this build computes with: 16 (AVX-512) or 8. */
+int kvd_decode_lanes(void) { return VW; }
+
 void kvd_decode_use_openmp(void *parallel)
 {
     gomp_parallel = (gomp_parallel_fn)parallel;
@@ -793,7 +967,7 @@ void kvd_decode_use_openmp(void *parallel)
 /* 0 done; -1 a block id outside the cache; -2 out of memory (or a thread could not start). */
 int kvd_decode(const struct decode_args *a)
 {
-    if (a->head_dim % 16 || a->head_dim / 16 > MAX_ND || a->group > MAX_GROUP || a->dtype < 0 || a->dtype > 2)
+    if (a->head_dim % 16 || a->head_dim / VW > MAX_ND || a->group > MAX_GROUP || a->dtype < 0 || a->dtype > 2)
         return -2;
     int64_t total = 0;
     for (int64_t i = 0; i < a->num_seqs; i++)

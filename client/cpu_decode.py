@@ -8,8 +8,9 @@ the GIL released. ``usable(...)`` says whether a call can go there: CPU
 tensors of fp32, bf16 or fp16, every row's last dimension contiguous,
 ``head_dim`` a multiple of 16 up to 256, at most 32 query heads per KV head, and
 the kernel built (``c_kernel``; it is not where no C compiler is), and by default
-a CPU with AVX-512F (``wide_vectors``). Otherwise the caller keeps the torch path,
-and so may a caller that sets ``enabled = False``.
+a CPU it was measured on: AVX-512F, or AVX2 with FMA (``fast_vectors``; ``lanes()``
+says which width the build computes with). Otherwise the caller keeps the torch
+path, and so may a caller that sets ``enabled = False``.
 
 Index values are the caller's to check (``torch_attention._check_ragged``),
 except block ids, which the kernel checks (``BadRequest``).
@@ -32,9 +33,8 @@ from kvdaemon.client import c_kernel
 from kvdaemon.errors import BadRequest
 
 enabled: bool | None = None
-"""``None``: the kernel where the CPU has 512-bit vectors (AVX-512F: the kernel's width;
-on AVX2 alone it measured 2.7-4.5x SDPA against the torch path's 1.8-2.4x); ``True``/
-``False``: on or off wherever it is built (tests, comparisons)."""
+"""``None``: the kernel where ``fast_vectors()`` (elsewhere, e.g. on ARM, it is built but
+not measured); ``True``/``False``: on or off wherever it is built (tests, comparisons)."""
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAX_HEAD_DIM, _MAX_GROUP = 256, 32
@@ -64,19 +64,28 @@ _kernel: ctypes.CDLL | None = None
 _tried = False
 
 
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+
+
 def _library() -> ctypes.CDLL | None:
     global _kernel, _tried
     if not _tried:
-        lib = c_kernel.load(Path(__file__).with_name("cpu_decode.c"))
-        if lib is not None:
-            lib.kvd_decode_init()
-            lib.kvd_decode.argtypes = [ctypes.POINTER(_Args)]
-            lib.kvd_decode.restype = ctypes.c_int
-            lib.kvd_decode_use_openmp.argtypes = [ctypes.c_void_p]
-            lib.kvd_decode_use_openmp(_openmp_parallel())
-            lib.kvd_decode_bf16_paths.restype = ctypes.c_int
-        _kernel, _tried = lib, True
+        _kernel, _tried = prepared(c_kernel.load(SOURCE)), True
     return _kernel
+
+
+def prepared(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
+    """``lib`` (a build of ``SOURCE``, e.g. with other flags) set up to be called: once per library."""
+    if lib is not None and not getattr(lib, "kvd_prepared", False):
+        lib.kvd_decode_init()
+        lib.kvd_decode.argtypes = [ctypes.POINTER(_Args)]
+        lib.kvd_decode.restype = ctypes.c_int
+        lib.kvd_decode_use_openmp.argtypes = [ctypes.c_void_p]
+        lib.kvd_decode_use_openmp(_openmp_parallel())
+        lib.kvd_decode_bf16_paths.restype = ctypes.c_int
+        lib.kvd_decode_lanes.restype = ctypes.c_int
+        lib.kvd_prepared = True
+    return lib
 
 
 def _openmp_parallel() -> int | None:
@@ -114,20 +123,29 @@ def bf16_path() -> str:
     return "tiles" if bits & 6 == 6 else "dot" if bits & 1 else "fp32"
 
 
+def lanes() -> int:
+    """Lanes per vector the kernel computes with here: 16 (AVX-512), 8 (elsewhere), 0 (not built)."""
+    lib = _library()
+    return 0 if lib is None else lib.kvd_decode_lanes()
+
+
 @functools.cache
-def wide_vectors() -> bool:
-    """Whether this CPU has AVX-512F (read once from ``/proc/cpuinfo``; False where unreadable)."""
+def fast_vectors() -> bool:
+    """Whether this CPU has AVX-512F, or AVX2 and FMA: the kernel's measured widths (16 and 8 lanes;
+    against SDPA on contiguous K/V: 1.15x and 1.19x at worst, ``bench/attention.py``). Read once
+    from ``/proc/cpuinfo``; False where unreadable."""
     try:
         with open("/proc/cpuinfo") as info:
-            return any(line.startswith("flags") and " avx512f" in line for line in info)
+            flags = next((set(line.split()) for line in info if line.startswith("flags")), set())
     except OSError:
         return False
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 
 def usable(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether ``attend`` can serve these tensors (see the module docstring)."""
     head_dim = query.shape[-1]
-    if enabled is False or (enabled is None and not wide_vectors()):
+    if enabled is False or (enabled is None and not fast_vectors()):
         return False
     if query.device.type != "cpu" or query.dtype not in _DTYPES:
         return False

@@ -46,6 +46,17 @@ def test_a_source_is_built_once_and_a_changed_one_again(tmp_path: Path, cache: P
 
 
 @needs_cc
+def test_extra_flags_build_a_library_of_their_own(tmp_path: Path, cache: Path) -> None:
+    path = tmp_path / "flagged.c"
+    path.write_text("#ifdef KVD_SEVEN\nint kvd_answer(void) { return 7; }\n#else\n" + SOURCE % 41 + "#endif\n")
+    plain, flagged = c_kernel.load(path), c_kernel.load(path, ("-DKVD_SEVEN",))
+    assert plain is not None and flagged is not None
+    assert (plain.kvd_answer(), flagged.kvd_answer()) == (41, 7)
+    assert c_kernel.load(path, ("-DKVD_SEVEN",)) is flagged
+    assert len(list(cache.glob("flagged-*.so"))) == 2
+
+
+@needs_cc
 def test_a_source_that_does_not_build_gives_none(tmp_path: Path, cache: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "broken.c"
     path.write_text("this is not C\n")

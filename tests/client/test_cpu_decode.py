@@ -8,6 +8,7 @@ and ``test_attention`` covers it).
 
 from __future__ import annotations
 
+import platform
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -215,13 +216,67 @@ def test_calls_from_several_threads_at_once_each_get_their_rows(two_threads: Non
 
 
 @needs_kernel
-@pytest.mark.parametrize("wide", [True, False], ids=["avx512f", "avx2"])
-def test_by_default_the_kernel_serves_cpus_of_its_vector_width(
-    monkeypatch: pytest.MonkeyPatch, wide: bool
+@pytest.mark.parametrize("fast", [True, False], ids=["avx512f-or-avx2", "other"])
+def test_by_default_the_kernel_serves_cpus_of_its_measured_widths(
+    monkeypatch: pytest.MonkeyPatch, fast: bool
 ) -> None:
     batch = make_batch(DECODE, num_heads=4, num_kv_heads=2, head_dim=32)
     monkeypatch.setattr(cpu_decode, "enabled", None)
-    monkeypatch.setattr(cpu_decode, "wide_vectors", lambda: wide)
-    assert cpu_decode.usable(batch.query, batch.k_cache, batch.v_cache) is wide
+    monkeypatch.setattr(cpu_decode, "fast_vectors", lambda: fast)
+    assert cpu_decode.usable(batch.query, batch.k_cache, batch.v_cache) is fast
     expected = reference(batch, None, None)
     torch.testing.assert_close(run(batch).float(), expected, atol=2e-5, rtol=2e-5)  # either way, the same
+
+
+@needs_kernel
+@pytest.mark.parametrize(("flags", "expected"), [
+    ("flags : fpu avx2 fma avx512f\n", True), ("flags : fpu avx2 fma\n", True),
+    ("flags : fpu avx avx2\n", False), ("Features : fp asimd\n", False),
+], ids=["avx512f", "avx2-fma", "avx2-no-fma", "arm"])
+def test_the_measured_widths_are_read_from_the_cpu_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: str, expected: bool
+) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor : 0\n" + flags)
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
+        info if path == "/proc/cpuinfo" else path, *a, **k))
+    cpu_decode.fast_vectors.cache_clear()
+    try:
+        assert cpu_decode.fast_vectors() is expected
+    finally:
+        cpu_decode.fast_vectors.cache_clear()
+
+
+@pytest.fixture
+def eight_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel built for 8 lanes (no AVX-512) on any x86 CPU, so CI machines with AVX-512 run
+    the AVX2 path too."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the 8-lane build is forced with an x86 flag")
+    lib = cpu_decode.prepared(c_kernel.load(cpu_decode.SOURCE, ("-mno-avx512f",)))
+    if lib is None:
+        pytest.skip("no C compiler built the kernel")
+    assert lib.kvd_decode_lanes() == 8 and lib.kvd_decode_bf16_paths() == 0
+    monkeypatch.setattr(cpu_decode, "_kernel", lib)
+    monkeypatch.setattr(cpu_decode, "_tried", True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 128, 256])
+def test_the_8_lane_build_matches_the_reference(eight_lanes: None, dtype: torch.dtype, head_dim: int) -> None:
+    """Query heads per KV head that take every pass size (8, 4, 1 for scores; 4, 2, 1 for V)."""
+    assert cpu_decode.lanes() == 8
+    for group in (1, 3, 6, 13, 32):
+        batch = make_batch(DECODE, num_heads=2 * group, num_kv_heads=2, head_dim=head_dim, dtype=dtype,
+                           seed=group + head_dim)
+        check(batch)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+def test_the_8_lane_build_with_windows_and_softcaps(eight_lanes: None, block_size: int) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = make_batch(DECODE, block_size=block_size, num_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype,
+                           seed=block_size)
+        for window, softcap in ((None, None), (1, None), (5, 3.0), (40, None), (None, 3.0)):
+            check(batch, window, softcap)
