@@ -17,8 +17,9 @@ pool's lock only as long as each answer takes:
   engine's own grows may ask at once, and the reserve is probed now (a pool that
   recycles its cache leaves that to its engine's next allocation);
 - ``sleep`` / ``wake``: see ``pool_sleep``; ``limit``: the pool's known limit
-  (pages mapped past a lowered one go back, cache-only ones too: ``pool_returns``,
-  on every wake-up while over it);
+  (pages mapped past a lowered one are owed, as an urgent reclaim's, and go back,
+  cache-only ones too: ``pool_returns``, on every wake-up while over it; the
+  notice is the daemon's only ask for them, so they are paid once);
 - ``revoked``: every page is unmapped here and the pool ends (``REVOKED``);
 - ``shutdown``: logged; the lease's end follows.
 
@@ -212,8 +213,10 @@ class PoolAgent:
         elif isinstance(notice, WakeNotice):
             wake_pool(core, notice)
         elif isinstance(notice, LimitNotice):
-            with core.lock:
+            with core.lock:  # the pages past it are owed, as an urgent reclaim's are (the daemon asks no more)
                 core.set_limit({"max_bytes": notice.max_bytes})
+                if core.pages_over_limit() > core.owed_pages:
+                    core.owed_pages, core.owed_at = core.pages_over_limit(), time.monotonic()
         elif isinstance(notice, RevokedNotice):
             self._revoke(notice.why)
         elif isinstance(notice, SleepCancelledNotice):

@@ -24,12 +24,11 @@ from typing import Any
 
 from kvdaemon.cuda_vmm.backend import PhysicalPage
 from kvdaemon.daemon.device_pages import Owner, DevicePages
-from kvdaemon.daemon.ports import LeasePort, notify
+from kvdaemon.daemon.ports import LeasePort
 from kvdaemon.daemon.shares import Shares
 from kvdaemon.daemon.tenant import Tenant, TenantState
 from kvdaemon.errors import Asleep, BackendError, BadRequest, Conflict, NoMemory, OverLimit
 from kvdaemon.wire.handles import MAX_FDS_PER_FRAME, max_grant_pages
-from kvdaemon.wire.messages import ReclaimNotice
 
 
 class Grants:
@@ -186,9 +185,3 @@ class Grants:
         tenant.logical.clear()
         return num_pages
 
-    def ask_back_excess(self, tenant: Tenant) -> None:
-        """Ask a tenant over its limit to return the logical pages above it."""
-        excess = tenant.mapped_bytes - tenant.max_bytes
-        if excess > 0 and tenant.leased:
-            num_pages = -(-excess // tenant.logical_page_bytes)
-            notify(self.leases, tenant.tenant_id, ReclaimNotice(num_pages))

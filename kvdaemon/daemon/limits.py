@@ -197,8 +197,7 @@ class Limiter:
         commit_limit(plan)
         self.tenants.changed()  # a weight or minimum moves the fair shares
         if plan.changed:
-            notify(self.leases, tenant.tenant_id, LimitNotice(**tenant.limits()))
-            self.grants.ask_back_excess(tenant)
+            notify(self.leases, tenant.tenant_id, LimitNotice(**tenant.limits()))  # the pool pays any debt
             if _log_due(tenant, by_owner=by == BY_OWNER):
                 log.info("limits of %s set %s: %s (was %s; revision %d)%s%s%s", tenant.name, by,
                          describe_limits(plan.limits), describe_limits(before), plan.revision,

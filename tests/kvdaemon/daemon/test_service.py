@@ -215,11 +215,15 @@ def test_set_limit_revisions(h: Harness) -> None:
     assert [n["args"]["revision"] for _, n in h.leases.notices if n["notice"] == "limit"] == [5, 6]
 
 
-def test_lowering_a_limit_below_mapped_asks_for_pages_back(h: Harness) -> None:
+def test_lowering_a_limit_below_mapped_tells_the_limit_once(h: Harness) -> None:
+    """The limit notice is the whole ask: the pool pays what it holds past it (an ask for the
+    excess besides, served on another wake-up, had it give back a page twice)."""
     reg = h.register("a")
     h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0, 1, 2]))  # 6 pages
     h.ok("set_limit", name="a", max_bytes=3 * PAGE_BYTES)
-    assert h.leases.notices[-1] == (reg["tenant_id"], {"notice": "reclaim", "args": {"num_pages": 2, "urgent": True}})
+    tenant_id, notice = h.leases.notices[-1]
+    assert (tenant_id, notice["notice"], notice["args"]["max_bytes"]) == (reg["tenant_id"], "limit", 3 * PAGE_BYTES)
+    assert [n for _, n in h.leases.notices if n["notice"] == "reclaim"] == []
     assert h.error("set_limit", name="a") == "BAD_REQUEST"
 
 
