@@ -13,7 +13,7 @@ Cost: one encode and one sink call per reply.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvdaemon.errors import KVDaemonError
 from kvdaemon.wire.protocol import reply_error, reply_ok
@@ -44,9 +44,11 @@ class PendingReply:
             self._sink(self.routing_id, reply_error(self.request_id, error))
 
 
-@dataclass(frozen=True)
-class Call:
-    """One request being served: who asked, its id, and where late replies go."""
+class Call(NamedTuple):
+    """One request being served: who asked, its id, and where late replies go.
+
+    A named tuple (immutable, as a frozen dataclass, at half its cost to make: one per request).
+    """
 
     routing_id: bytes
     request_id: int | None

@@ -45,6 +45,11 @@ def max_grant_pages(num_segments: int) -> int:
     per_page = 10 + 5 * max(1, num_segments)  # msgpack: [lp, [page id per segment]], 5 bytes an id
     return max(1, min(MAX_GROW_PAGES, (MAX_FRAME_BYTES - 4096) // per_page))
 SCM_MAX_FD = 253  # the most fds the kernel attaches to one message
+# Plain ints, computed once: ``socket``'s flags are enums whose ``|`` runs Python code per frame.
+_ANCILLARY_BYTES = socket.CMSG_LEN(SCM_MAX_FD * array.array("i").itemsize)
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
+_SOL_SOCKET, _SCM_RIGHTS, _DONTWAIT = int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS), int(socket.MSG_DONTWAIT)
+_FRAME_KEY = b"\xa5frame"  # msgpack of the key "frame" (``Outbox.push_reply``)
 # SO_PASSRIGHTS has the asm-generic number on these; alpha, mips, parisc, sparc differ.
 _SO_PASSRIGHTS = getattr(socket, "SO_PASSRIGHTS", 83)
 _GENERIC_SOCKOPT_MACHINES = {"x86_64", "i686", "i386", "aarch64", "armv7l", "riscv64", "ppc64le",
@@ -109,11 +114,12 @@ def recv_frame(
     ``MAX_FDS_PER_FRAME`` fds, after handing its fds to ``dispose`` (default:
     close them here).
     """
-    data, fds, flags, _ = socket.recv_fds(sock, MAX_FRAME_BYTES, SCM_MAX_FD)
+    data, ancillary, flags, _ = sock.recvmsg(MAX_FRAME_BYTES, _ANCILLARY_BYTES)
+    fds = _fds_of(ancillary)
     if not data and not fds:
         raise ConnectionError("the peer closed it")
     try:
-        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        if flags & _TRUNCATED:
             raise BadRequest("truncated handle frame")
         if len(fds) > MAX_FDS_PER_FRAME:
             raise BadRequest(f"a frame carries at most {MAX_FDS_PER_FRAME} fds, got {len(fds)}")
@@ -121,6 +127,24 @@ def recv_frame(
     except BadRequest:
         (dispose or close_fds)(fds)
         raise
+
+
+def _fds_of(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The fds of a ``recvmsg``'s ``SCM_RIGHTS`` messages (``socket.recv_fds`` without its
+    per-call enum and buffer-size work); other ancillary messages are ignored."""
+    if not ancillary:
+        return []
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return fds.tolist()
+
+
+def _send_with_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    """One non-blocking ``sendmsg`` of ``data`` with ``fds`` attached (``socket.send_fds``
+    drops its flags argument before Python 3.12; the socket is non-blocking anyway)."""
+    sock.sendmsg([data], [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))], _DONTWAIT)
 
 
 def close_fds(fds: list[int]) -> None:
@@ -146,7 +170,7 @@ class Outbox:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._frames: deque[tuple[bytes, list[int]]] = deque()
-        self._last_grant: dict[str, Any] | None = None
+        self._last_grant = False  # the last queued frame is a grant frame (``push_grant``)
         self.num_queued_fds = 0
         self.num_sent_fds = 0
         self.num_queued_bytes = 0
@@ -167,15 +191,18 @@ class Outbox:
     def push_reply(self, data: bytes) -> None:
         """Queue an encoded reply; if the last queued frame is a grant frame not sent yet,
         the reply travels with it (``"frame"``: the grant frame's body, with its fds), so
-        the peer is woken once."""
-        if self._frames and self._frames[-1][1] and self._last_grant is not None:
+        the peer is woken once.
+
+        Cost: O(bytes) copying (``_with_frame``), no decoding or encoding.
+        """
+        if self._frames and self._frames[-1][1] and self._last_grant:
             grant, fds = self._frames.pop()
             self.num_queued_bytes -= len(grant)
             self.num_queued_fds -= len(fds)
-            self._queue(encode({**decode(data), "frame": self._last_grant}), fds)
+            self._queue(_with_frame(data, grant), fds)
         else:
             self._queue(data, [])
-        self._last_grant = None
+        self._last_grant = False
 
     def push_grant(
         self, grant_id: int, page_ids: list[int], fds: list[int], fd_index: list[int]
@@ -183,7 +210,7 @@ class Outbox:
         """Queue one frame of a grant: pages, their fds, and which fd carries each page."""
         body = {"grant_id": grant_id, "page_ids": page_ids, "fd_index": fd_index}
         self._queue(encode(body), fds)
-        self._last_grant = body  # merged into a reply that follows it (``push_reply``)
+        self._last_grant = True  # merged into a reply that follows it (``push_reply``)
 
     def pending(self) -> bool:
         return bool(self._frames)
@@ -199,9 +226,9 @@ class Outbox:
             data, fds = self._frames[0]
             try:
                 if fds:
-                    socket.send_fds(self.sock, [data], fds, socket.MSG_DONTWAIT)
+                    _send_with_fds(self.sock, data, fds)
                 else:
-                    self.sock.send(data, socket.MSG_DONTWAIT)
+                    self.sock.send(data, _DONTWAIT)
             except BlockingIOError:
                 return False
             self._frames.popleft()
@@ -216,6 +243,18 @@ class Outbox:
         while self._frames:
             close_fds(self._frames.popleft()[1])
         self.num_queued_fds = self.num_sent_fds = self.num_queued_bytes = 0
+
+
+def _with_frame(reply: bytes, grant: bytes) -> bytes:
+    """The encoded map ``reply`` with one more entry, ``"frame"``: the encoded ``grant``.
+
+    A reply is a map of fewer than 15 entries (a msgpack fixmap; none named ``frame``):
+    its header byte plus one, then its entries, the key and the grant's bytes are the
+    same bytes as encoding the merged map. Anything else is decoded and encoded again.
+    """
+    if reply and 0x80 <= reply[0] < 0x8F:
+        return b"".join((bytes((reply[0] + 1,)), memoryview(reply)[1:], _FRAME_KEY, grant))
+    return encode({**decode(reply), "frame": decode(grant)})
 
 
 def _unread_bytes(sock: socket.socket) -> int:
