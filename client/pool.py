@@ -282,8 +282,9 @@ class KVPool:
 
     @property
     def owed_pages(self) -> int:
-        """Pages the daemon asked back that are still in use: they go back as blocks are freed,
-        or lapse ``pool_agent.OWED_S`` after the last ask (all but those past a known limit)."""
+        """Pages owed to the daemon, still in use: they go back as blocks are freed. Those an
+        urgent reclaim asked for lapse ``pool_agent.OWED_S`` after the last ask; those mapped past
+        the known limit are owed while they are (``PoolCore.owed_pages``)."""
         return self.core.owed_pages
 
     @property

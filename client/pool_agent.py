@@ -213,10 +213,8 @@ class PoolAgent:
         elif isinstance(notice, WakeNotice):
             wake_pool(core, notice)
         elif isinstance(notice, LimitNotice):
-            with core.lock:  # the pages past it are owed, as an urgent reclaim's are (the daemon asks no more)
+            with core.lock:  # the pages past it are owed (``PoolCore.owed_pages``): the daemon asks no more
                 core.set_limit({"max_bytes": notice.max_bytes})
-                if core.pages_over_limit() > core.owed_pages:
-                    core.owed_pages, core.owed_at = core.pages_over_limit(), time.monotonic()
         elif isinstance(notice, RevokedNotice):
             self._revoke(notice.why)
         elif isinstance(notice, SleepCancelledNotice):
@@ -233,8 +231,8 @@ class PoolAgent:
             returned += return_spare(core, wanted - returned)
         if returned < wanted and urgent:
             with core.lock:  # the rest go back as their blocks are freed
-                core.owed_pages = max(core.owed_pages, wanted - returned)
-                core.owed_at = time.monotonic()
+                core.asked_pages = max(core.asked_pages, wanted - returned)
+                core.asked_at = time.monotonic()
         log.info("pool %s: returned %d of %d page(s) on request", core.name, returned, wanted)
 
     def _revoke(self, why: str) -> None:
@@ -254,8 +252,8 @@ class PoolAgent:
         with core.lock:
             if core.state is PoolState.ACTIVE:
                 core.adopt_late_grants()
-                if core.owed_pages and time.monotonic() - core.owed_at > OWED_S:
-                    core.owed_pages = min(core.owed_pages, core.pages_over_limit())  # a limit's debt stays
+                if core.asked_pages and time.monotonic() - core.asked_at > OWED_S:
+                    core.asked_pages = 0  # a limit's debt stays (``owed_pages``)
                 self._grow_ahead()
         with returning(core) as may_return, core.lock:  # not held over the grows: they wait on the daemon
             if may_return and core.state is PoolState.ACTIVE:

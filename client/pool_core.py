@@ -87,8 +87,8 @@ class PoolCore:
         self.sleeping_allocator: BlockAllocator | None = None  # a warm sleeper's blocks
         self.max_bytes: int | None = lease.limit.get("max_bytes")
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
-        self.owed_pages = 0  # asked back but still in use: returned as their blocks are freed, or lapsed
-        self.owed_at = float("-inf")  # when the last urgent ask left pages owed (time.monotonic)
+        self.asked_pages = 0  # urgently asked back, still in use: returned as blocks are freed, or lapsed
+        self.asked_at = float("-inf")  # when the last urgent ask left pages owed (time.monotonic)
         self.reserve_blocks = 0  # kept free and mapped for the engine's next steps (``keep_free``)
         self.spare_blocks = 0  # spare kept past ``num_spare_pages`` until asked for (``keep_free``)
         self.ahead_blocks = 0  # mapped ahead of need, kept until asked for (``keep_free``)
@@ -209,7 +209,7 @@ class PoolCore:
             if ahead:
                 self.ahead_refused_at = float("-inf")
             else:
-                self.owed_pages = 0  # the daemon granted real need: it no longer wants pages back
+                self.asked_pages = 0  # the daemon granted real need: it no longer wants pages back
             self.refused_at = float("-inf")
             if probe:
                 return  # what the daemon had; the agent asks again when the engine needs more
@@ -271,6 +271,14 @@ class PoolCore:
         extra = self.allocator.num_free - self.reserve_blocks
         allowed = max(extra // self.allocator.blocks_per_page, self.pages_over_limit())  # a limit binds
         return max(0, min(len(spare), allowed))
+
+    @property
+    def owed_pages(self) -> int:
+        """Pages owed to the daemon: those an urgent reclaim asked for and did not get
+        (``asked_pages``, until they lapse), or those mapped past the known limit, whichever is
+        more. A limit's part follows the limit (a raised one owes nothing at once) and whatever
+        maps the pages (a wake above a lowered limit owes the excess). O(1)."""
+        return max(self.asked_pages, self.pages_over_limit())
 
     def pages_over_limit(self) -> int:
         """Logical pages mapped past the known limit (0 when within it or unknown)."""
@@ -336,7 +344,7 @@ class PoolCore:
         num = min(max(len(spare) - max(0, self.spare_allowance() - pinned), owed), self.num_returnable(spare))
         if num <= 0:
             return 0
-        self.owed_pages -= min(owed, num)
+        self.asked_pages = max(0, self.asked_pages - num)
         self._return(spare[:num])
         return num
 
@@ -350,7 +358,7 @@ class PoolCore:
             spare = spare[: min(num_pages, self.num_returnable(spare))]
             if spare:
                 self._return(spare)
-                self.owed_pages = max(0, self.owed_pages - len(spare))
+                self.asked_pages = max(0, self.asked_pages - len(spare))
             return len(spare)
 
     def _spare_past_page_0(self) -> list[int]:

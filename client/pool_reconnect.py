@@ -118,7 +118,7 @@ def _switch(core: PoolCore, lease: Lease) -> None:
     old, core.lease = core.lease, lease
     old.abandon()
     core.pending_return.clear()  # the new daemon never granted those
-    core.owed_pages = 0  # ... nor asked for any
+    core.asked_pages = 0  # ... nor asked for any
     core.relink_error, core.num_refused_moves = None, 0
     core.set_limit(lease.limit)
     if core.state is not PoolState.ACTIVE:

@@ -76,7 +76,7 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
             core.segments.release(lp_pages)
         if core.lease.abandon_outstanding_grows():  # granted before the sleep: released with the rest
             log.info("pool %s: grows outstanding at its sleep are dropped", core.name)
-        core.owed_pages = 0  # every page went back
+        core.asked_pages = 0  # every page went back
         if notice.mode == "warm":
             core.sleeping_allocator = allocator
             core.cell.move(PoolState.ASLEEP_WARM)

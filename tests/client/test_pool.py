@@ -234,6 +234,22 @@ def test_a_lowered_limit_takes_busy_pages_as_their_blocks_are_freed(kvd: Running
     pool.close()
 
 
+def test_a_raised_limit_ends_a_lowered_ones_debt_at_once(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd, num_spare_pages=8, num_prefetch_pages=0)
+    blocks = pool.alloc(4 * BLOCKS_PER_PAGE)  # four pages, all in use
+    client.set_limit("a", max_bytes=2 * LOGICAL_PAGE_BYTES)
+    wait_until(lambda: pool.core.owed_pages == 2, 5, "the limit notice was not answered")
+    client.set_limit("a", max_bytes=8 * LOGICAL_PAGE_BYTES)
+    wait_until(lambda: pool.max_bytes == 8 * LOGICAL_PAGE_BYTES, 5, "the raised limit was not told")
+    assert pool.owed_pages == 0, "a raised limit left the lowered one's debt"
+    pool.free(blocks[3 * BLOCKS_PER_PAGE :])  # a page empties: the spare allowance keeps it
+    pool.agent.nudge()
+    time.sleep(0.3)
+    assert tenant_row(client, "a")["mapped_bytes"] == 4 * LOGICAL_PAGE_BYTES
+    kvd.check_invariants()
+    pool.close()
+
+
 def test_an_idle_engines_cache_pays_a_lowered_limit(kvd: RunningDaemon) -> None:
     client, pool = register(kvd, num_spare_pages=8, num_prefetch_pages=0)
     manager = BlockManager(pool, enable_prefix_cache=True)

@@ -106,6 +106,25 @@ def test_a_warm_sleep_gives_its_spare_pages_back_instead_of_saving_them(kvd: Run
     pool.close()
 
 
+def test_a_pool_woken_above_a_limit_lowered_in_its_sleep_owes_the_excess(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_spare_pages=8, num_prefetch_pages=0)
+    blocks = pool.alloc(4 * BLOCKS_PER_PAGE)  # four logical pages, all in use
+    logical = SPEC.num_segments * PAGE_BYTES
+    client.sleep("a", "warm")
+    client.set_limit("a", max_bytes=2 * logical)
+    client.wake("a")
+    wait_awake(pool)
+    wait_until(lambda: pool.max_bytes == 2 * logical, 5, "the pool was not told its limit")
+    assert row(client)["mapped_bytes"] == 4 * logical  # live blocks come back
+    assert pool.owed_pages == 2, "the engine would admit new work into pages past the limit"
+    pool.free(blocks[2 * BLOCKS_PER_PAGE :])
+    wait_until(lambda: row(client)["mapped_bytes"] == 2 * logical, 5, "the excess was not given back")
+    assert pool.owed_pages == 0
+    kvd.check_invariants()
+    pool.close()
+
+
 def test_a_warm_sleep_of_a_pool_with_no_pages_keeps_no_host_bytes(kvd: RunningDaemon) -> None:
     client = kvd.client()
     pool = client.register("a", SPEC)
