@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 
 from kvdaemon.client import KVClient, KVPool, KVSpec
-from kvdaemon.errors import KVDaemonError, PoolExhausted
+from kvdaemon.errors import DaemonUnreachable, KVDaemonError, PoolExhausted
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32)
 EXIT_CORRUPT = 3
+REGISTER_WAIT_S = 30.0
 
 
 @dataclass
@@ -121,6 +122,22 @@ class Worker:
             self.counts.verified += 1
 
 
+def register(client: KVClient, name: str, max_bytes: int | None) -> KVPool:
+    """Register ``name``, waiting out a daemon restart under way: a tenant still starting (torch
+    imports slowly on a loaded 2-core machine) may first ask while the soak has the daemon killed,
+    and a supervised engine would wait for it, not die. ``DaemonUnreachable`` after
+    ``REGISTER_WAIT_S``."""
+    deadline = time.monotonic() + REGISTER_WAIT_S
+    while True:
+        try:
+            return client.register(name, SPEC, max_bytes=max_bytes, auto_wake=True, grow_wait_s=0,
+                                   virtual_bytes=64 << 20)  # fmt: skip
+        except DaemonUnreachable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("dir", type=Path)
@@ -130,8 +147,7 @@ def main() -> int:
     parser.add_argument("--max-bytes", type=int, default=None)
     args = parser.parse_args()
     client = KVClient(args.dir, timeout_s=30.0)  # tenants starting at once on a small machine
-    pool = client.register(args.name, SPEC, max_bytes=args.max_bytes, auto_wake=True,
-                           grow_wait_s=0, virtual_bytes=64 << 20)  # fmt: skip
+    pool = register(client, args.name, args.max_bytes)
     worker = Worker(pool, args.seed)
     print(json.dumps({"event": "ready"}), flush=True)
     try:
