@@ -99,12 +99,31 @@ def _fingerprint(path: Path, compiler: str, extra_flags: tuple[str, ...]) -> str
     return digest.hexdigest()[:16]
 
 
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``flags`` on x86, ``Features`` on ARM); empty where unreadable."""
+    lines = _cpuinfo_lines()
+    if lines is None:
+        return frozenset()
+    values = (lines[key].split(":", 1)[1] for key in ("flags", "Features") if key in lines)
+    return frozenset(word for value in values for word in value.split())
+
+
 def _cpu_identity() -> str:
     """The CPU's model and feature flags (what ``-march=native`` builds for)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    lines = _cpuinfo_lines()
+    if lines is None:
         return platform.processor()
     wanted = ("model name", "flags", "Features", "CPU part")
-    lines = {line.split(":", 1)[0].strip(): line for line in text.splitlines() if ":" in line}
     return "\n".join(lines.get(key, "") for key in wanted)
+
+
+def _cpuinfo_lines() -> dict[str, str] | None:
+    """One line per field of ``CPUINFO`` (a field repeated per core: the last core's), or ``None``."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return None
+    return {line.split(":", 1)[0].strip(): line for line in text.splitlines() if ":" in line}

@@ -133,12 +133,8 @@ def lanes() -> int:
 def fast_vectors() -> bool:
     """Whether this CPU has AVX-512F, or AVX2 and FMA: the kernel's measured widths (16 and 8 lanes;
     against SDPA on contiguous K/V: 1.15x and 1.19x at worst, ``bench/attention.py``). Read once
-    from ``/proc/cpuinfo``; False where unreadable."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((set(line.split()) for line in info if line.startswith("flags")), set())
-    except OSError:
-        return False
+    (``c_kernel.cpu_flags``); False where unreadable."""
+    flags = c_kernel.cpu_flags()
     return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 

@@ -77,13 +77,8 @@ def test_bf16_on_either_side_of_the_tile_limits(head_dim: int, group: int) -> No
     check(batch, window=5, softcap=3.0)
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags, as the kernel's build fingerprint reads them."""
-    return set(c_kernel._cpu_identity().split())
-
-
 @needs_kernel
-@pytest.mark.skipif("amx_bf16" not in _cpu_flags(), reason="the CPU has no AMX-BF16")
+@pytest.mark.skipif("amx_bf16" not in c_kernel.cpu_flags(), reason="the CPU has no AMX-BF16")
 def test_bf16_runs_on_the_tiles_where_the_cpu_has_them() -> None:
     if not cpu_decode._library().kvd_decode_bf16_paths() & 2:  # type: ignore[union-attr]
         pytest.skip("the C compiler does not build AMX code")
@@ -91,7 +86,7 @@ def test_bf16_runs_on_the_tiles_where_the_cpu_has_them() -> None:
 
 
 @needs_kernel
-@pytest.mark.skipif("amx_bf16" not in _cpu_flags(), reason="the CPU has no AMX-BF16")
+@pytest.mark.skipif("amx_bf16" not in c_kernel.cpu_flags(), reason="the CPU has no AMX-BF16")
 def test_a_threads_tile_configuration_is_put_back(tmp_path: Path) -> None:
     """torch's own kernels may keep their tile configuration across calls: after a call the
     thread's configuration is the one it had (or none, where it had none)."""
@@ -238,9 +233,7 @@ def test_the_measured_widths_are_read_from_the_cpu_flags(
 ) -> None:
     info = tmp_path / "cpuinfo"
     info.write_text("processor : 0\n" + flags)
-    real_open = open
-    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
-        info if path == "/proc/cpuinfo" else path, *a, **k))
+    monkeypatch.setattr(c_kernel, "CPUINFO", info)
     cpu_decode.fast_vectors.cache_clear()
     try:
         assert cpu_decode.fast_vectors() is expected
