@@ -105,7 +105,11 @@ class KVClient:
         weight: float | None = None,
         revision: int | None = None,
     ) -> dict[str, Any]:
-        """Change a tenant's limits. ``revision`` makes it idempotent (see the daemon)."""
+        """Change a tenant's limits. ``revision`` makes it idempotent (see the daemon).
+
+        When the tenant is a pool of this client, the pool knows the new limits on return
+        (its next grow is checked against them, not the ones before the change).
+        """
         args: dict[str, Any] = {"name": name}
         for key, value in (
             ("max_bytes", max_bytes), ("min_bytes", min_bytes), ("weight", weight),
@@ -113,7 +117,15 @@ class KVClient:
         ):
             if value is not None:
                 args[key] = value
-        return self.call("set_limit", args)
+        own = self._own_pool(name)
+        lease = None if own is None else own.core.lease
+        result = self.call("set_limit", args)
+        limit, applied = result.get("limit"), result.get("revision")
+        if own is not None and isinstance(limit, dict) and isinstance(applied, int):
+            with own.core.lock:  # unless the pool moved to a new daemon meanwhile (its own revisions)
+                if own.core.lease is lease:
+                    own.core.set_limit({**limit, "revision": applied})
+        return result
 
     def sleep(self, name: str, mode: str = "warm", timeout_s: float = 60.0) -> dict[str, Any]:
         """Put tenant ``name`` to sleep and return once it sleeps.

@@ -214,7 +214,7 @@ class PoolAgent:
             wake_pool(core, notice)
         elif isinstance(notice, LimitNotice):
             with core.lock:  # the pages past it are owed (``PoolCore.owed_pages``): the daemon asks no more
-                core.set_limit({"max_bytes": notice.max_bytes})
+                core.set_limit({"max_bytes": notice.max_bytes, "revision": notice.revision})
         elif isinstance(notice, RevokedNotice):
             self._revoke(notice.why)
         elif isinstance(notice, SleepCancelledNotice):

@@ -86,6 +86,7 @@ class PoolCore:
         self.allocator = self.new_allocator()
         self.sleeping_allocator: BlockAllocator | None = None  # a warm sleeper's blocks
         self.max_bytes: int | None = lease.limit.get("max_bytes")
+        self.limit_revision = _revision(lease.limit)  # of ``max_bytes``: an older report is ignored
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
         self.asked_pages = 0  # urgently asked back, still in use: returned as blocks are freed, or lapsed
         self.asked_at = float("-inf")  # when the last urgent ask left pages owed (time.monotonic)
@@ -405,8 +406,22 @@ class PoolCore:
         self.allocator = self.new_allocator()
         self.sleeping_allocator = None
 
-    def set_limit(self, limit: dict[str, Any]) -> None:
-        """Record the limits the daemon told us (register reply, grow reply, ``limit`` notice)."""
+    def set_limit(self, limit: dict[str, Any], fresh: bool = False) -> bool:
+        """Record the limits the daemon told us (register reply, ``set_limit`` reply, ``limit``
+        notice) unless they are older than the ones known (a reply and its notice race: the
+        first applies, the second changes nothing); ``fresh``: a new daemon's, whose revisions
+        start again. Yields whether they applied. Caller holds ``lock`` once the pool is shared."""
+        revision = _revision(limit)
+        if not fresh and revision < self.limit_revision:
+            return False
         max_bytes = limit.get("max_bytes")
         if isinstance(max_bytes, int):
             self.max_bytes = max_bytes
+        self.limit_revision = revision
+        return True
+
+
+def _revision(limit: dict[str, Any]) -> int:
+    """The revision of a ``limit`` map; 0 for one without (a daemon's first limits)."""
+    revision = limit.get("revision")
+    return revision if isinstance(revision, int) and not isinstance(revision, bool) else 0

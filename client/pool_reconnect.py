@@ -120,6 +120,6 @@ def _switch(core: PoolCore, lease: Lease) -> None:
     core.pending_return.clear()  # the new daemon never granted those
     core.asked_pages = 0  # ... nor asked for any
     core.relink_error, core.num_refused_moves = None, 0
-    core.set_limit(lease.limit)
+    core.set_limit(lease.limit, fresh=True)
     if core.state is not PoolState.ACTIVE:
         core.cell.move(PoolState.ACTIVE)

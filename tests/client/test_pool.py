@@ -6,6 +6,7 @@ import concurrent.futures
 import os
 import random
 import resource
+import threading
 import time
 from collections.abc import Iterator
 
@@ -247,6 +248,41 @@ def test_a_raised_limit_ends_a_lowered_ones_debt_at_once(kvd: RunningDaemon) -> 
     time.sleep(0.3)
     assert tenant_row(client, "a")["mapped_bytes"] == 4 * LOGICAL_PAGE_BYTES
     kvd.check_invariants()
+    pool.close()
+
+
+def test_a_raised_limit_holds_for_the_next_alloc_when_the_agent_is_slow(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, pool = register(kvd, num_spare_pages=0, num_prefetch_pages=0)
+    client.set_limit("a", max_bytes=2 * LOGICAL_PAGE_BYTES)
+    pool.alloc(2 * BLOCKS_PER_PAGE)  # at its limit
+    held = threading.Event()
+    handle = pool.agent._handle
+    monkeypatch.setattr(pool.agent, "_handle", lambda notice: held.wait(5) and handle(notice))
+    client.set_limit("a", max_bytes=4 * LOGICAL_PAGE_BYTES)  # its notice waits in the agent
+    assert pool.max_bytes == 4 * LOGICAL_PAGE_BYTES
+    blocks = pool.alloc(BLOCKS_PER_PAGE)  # past the old limit, within the new one
+    assert tenant_row(client, "a")["mapped_bytes"] == 3 * LOGICAL_PAGE_BYTES
+    client.set_limit("a", max_bytes=2 * LOGICAL_PAGE_BYTES)  # lowered again before the first notice is handled
+    held.set()
+    time.sleep(0.3)  # both notices handled: the stale first one changed nothing
+    assert pool.max_bytes == 2 * LOGICAL_PAGE_BYTES
+    pool.free(blocks)
+    wait_mapped(client, "a", 2 * LOGICAL_PAGE_BYTES)  # the lowered limit's excess went back
+    kvd.check_invariants()
+    pool.close()
+
+
+def test_limits_older_than_the_known_ones_are_ignored(kvd: RunningDaemon) -> None:
+    _, pool = register(kvd)
+    core = pool.core
+    with core.lock:
+        assert core.set_limit({"max_bytes": 5, "revision": core.limit_revision + 2})
+        assert not core.set_limit({"max_bytes": 3, "revision": core.limit_revision - 1})
+        assert core.max_bytes == 5
+        assert core.set_limit({"max_bytes": 4, "revision": 1}, fresh=True)  # a new daemon counts again
+        assert (core.max_bytes, core.limit_revision) == (4, 1)
     pool.close()
 
 
