@@ -15,6 +15,7 @@ blocks any pool's answers to the daemon. The socket opens on the first request.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 
 from kvdaemon.client.control import ControlChannel
 from kvdaemon.client.lease import Lease
-from kvdaemon.client.pool import KVPool
+from kvdaemon.client.pool import KVPool, check_wait_s
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolClosed
@@ -122,9 +123,7 @@ class KVClient:
         result = self.call("set_limit", args)
         limit, applied = result.get("limit"), result.get("revision")
         if own is not None and isinstance(limit, dict) and isinstance(applied, int):
-            with own.core.lock:  # unless the pool moved to a new daemon meanwhile (its own revisions)
-                if own.core.lease is lease:
-                    own.core.set_limit({**limit, "revision": applied})
+            own.core.set_limit({**limit, "revision": applied}, lease=lease)  # unless it moved daemons since
         return result
 
     def sleep(self, name: str, mode: str = "warm", timeout_s: float = 60.0) -> dict[str, Any]:
@@ -198,6 +197,8 @@ class KVClient:
         if not isinstance(spec, KVSpec):
             raise BadRequest(f"spec must be a KVSpec, got {type(spec).__name__}")
         info = self.daemon_info or self.hello()
+        most_s = info.get("reclaim_wait_s")
+        check_wait_s(grow_wait_s, most_s if isinstance(most_s, (int, float)) else math.inf)
         page = int(info["page_size"])
         total = int(info["capacity_bytes"]) if virtual_bytes is None else virtual_bytes
         if isinstance(total, bool) or not isinstance(total, int) or total <= 0:

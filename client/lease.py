@@ -12,8 +12,11 @@ One reader thread owns the handle channel once attached: grant frames go to a
 mailbox by grant id that ``receive_pages`` waits on; notices are parsed
 (``kvdaemon.wire.messages``) and handed to ``on_notice``, which must not block;
 a wake's notices are joined first and handed over once whole (parts out of
-step close the channel: the lease is lost, never half-mapped).
-The reader takes no lock but the mailbox's own, so nothing can deadlock with it.
+step close the channel: the lease is lost, never half-mapped). Notices read
+before ``on_notice`` is set (the daemon's first, at attach, before the pool
+has started) are kept, up to ``MAX_EARLY_NOTICES``, and handed over in order
+when it is. The reader takes no lock but the mailbox's and that one's, leaves
+both, so nothing can deadlock with it.
 
 A grow whose reply does not come in time is not a decision: it stays
 outstanding, its candidate pages are ``in_flight``, and ``late_grants`` returns
@@ -37,12 +40,15 @@ from kvdaemon.client.grant_channel import GrantChannel
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.errors import BadRequest, DaemonUnreachable, Forbidden, KVDaemonError, NoReply, from_code
 from kvdaemon.wire.handles import close_fds, peer_credentials, recv_frame, send_frame
-from kvdaemon.wire.messages import Notice, WakeJoin, WakeNotice, parse_grant_pages, parse_notice
+from kvdaemon.wire.messages import (
+    Notice, WakeJoin, WakeNotice, limit_revision, parse_grant_pages, parse_notice,
+)
 from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.protocol import result_of
 
 log = logging.getLogger("kvdaemon.client")
 DAEMON_WAIT_S = 2.0  # how long a daemon may park a grow by default (its reclaim_wait_s)
+MAX_EARLY_NOTICES = 64  # kept while nobody listens (a bare lease never does): the newest
 Grant = dict[int, list[PhysicalPage]]
 """Granted pages: ``{logical page: [physical page of segment 0, 1, ...]}``."""
 
@@ -65,7 +71,9 @@ class Lease:
         self.limit: dict[str, Any] = dict(reply.get("limit") or {"max_bytes": reply.get("max_bytes")})
         self.lost = threading.Event()  # set when the handle channel closes under us
         self.control = ControlChannel(paths, timeout_s, alive=lambda: not self.lost.is_set(), keep=True)
-        self.on_notice: Callable[[Notice], None] | None = None
+        self._on_notice: Callable[[Notice], None] | None = None
+        self._early: list[Notice] = []  # read before anyone listened (``on_notice``)
+        self._notice_lock = threading.Lock()  # a leaf: order of delivery against ``on_notice``
         self.outstanding_grows: dict[int, list[int]] = {}  # request id -> candidate pages
         self._sock: socket.socket | None = None
         self._frames: dict[int, list[tuple[dict[str, Any], list[int]]]] = {}
@@ -99,6 +107,9 @@ class Lease:
             sock.close()
             error = body.get("error") or {}
             raise from_code(str(error.get("code")), str(error.get("message")))
+        told = body.get("limit")  # as of now: a change since the registration's reply had no lease to reach
+        if isinstance(told, dict) and limit_revision(told) >= limit_revision(self.limit):
+            self.limit = dict(told)
         sock.settimeout(None)
         self._sock = sock
         self._reader = threading.Thread(target=self._read_loop, name=f"kvdaemon-lease-{self.name}", daemon=True)
@@ -147,8 +158,30 @@ class Lease:
         elif self._wake is not None:
             self._break(f"a {notice.kind} notice inside the parts of wake grant {self._wake.first.grant_id}")
             return
-        if notice is not None and self.on_notice is not None:
-            self.on_notice(notice)
+        if notice is None:
+            return
+        with self._notice_lock:  # the handler only queues (it must not block)
+            if self._on_notice is not None:
+                self._on_notice(notice)
+                return
+            self._early.append(notice)
+            del self._early[:-MAX_EARLY_NOTICES]
+
+    @property
+    def on_notice(self) -> Callable[[Notice], None] | None:
+        """Where parsed notices go (on the reader thread; it must not block)."""
+        return self._on_notice
+
+    @on_notice.setter
+    def on_notice(self, handler: Callable[[Notice], None] | None) -> None:
+        """Set the handler; the notices read before any was set go to it first, in order."""
+        with self._notice_lock:
+            self._on_notice = handler
+            if handler is None:
+                return
+            early, self._early = self._early, []
+            for notice in early:
+                handler(notice)
 
     def _join_wake(self, part: WakeNotice) -> WakeNotice | None:
         """The whole wake once its notices (``WakeNotice.parts``, back to back) add up; None

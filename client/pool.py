@@ -31,6 +31,7 @@ take no lock (only the block gate, see ``pool_lock``) and no daemon round trip.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -91,7 +92,7 @@ class KVPool:
         except BackendError:
             segments.free_ranges()
             raise
-        self.core.lease.on_notice = self.agent.on_notice
+        self.agent.listen(self.core.lease)
         self.agent.start()
 
     def close(self) -> None:
@@ -188,7 +189,9 @@ class KVPool:
 
     @grow_wait_s.setter
     def grow_wait_s(self, wait_s: float | None) -> None:
-        self.core.grow_wait_s = wait_s
+        """``None`` (the daemon's default) or seconds, at least 0 (``BadRequest`` else; the
+        daemon refuses a grow that would wait longer than its ``reclaim_wait_s``)."""
+        self.core.grow_wait_s = check_wait_s(wait_s)
 
     @property
     def num_block_losses(self) -> int:
@@ -460,3 +463,13 @@ class KVPool:
         """Wait until the pool's state satisfies ``accept``; False on timeout."""
         with self.core.lock:
             return self.core.cell.wait_for(accept, timeout_s)
+
+
+def check_wait_s(wait_s: object, most_s: float = math.inf) -> float | None:
+    """``wait_s`` as a grow's wait: ``None``, or a number in [0, ``most_s``]; else ``BadRequest``."""
+    if wait_s is None:
+        return None
+    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= most_s:
+        bound = "" if math.isinf(most_s) else f" (this daemon lets a grow wait at most {most_s:g} s)"
+        raise BadRequest(f"grow_wait_s must be None or seconds from 0, got {wait_s!r}{bound}")
+    return float(wait_s)

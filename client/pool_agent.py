@@ -1,7 +1,9 @@
 """``PoolAgent``: the thread that answers the daemon for a pool, whether its engine is busy or idle.
 
-The lease's reader thread hands it parsed notices (``on_notice`` only queues
-and wakes it: it never blocks). The agent handles them in order, holding the
+The lease's reader thread hands it parsed notices (``listen``: the handler
+only queues and wakes it, it never blocks). The agent handles them in order,
+each only while its lease is still the pool's (one read on a dead daemon's
+lease before the pool moved to the next daemon is dropped), holding the
 pool's lock only as long as each answer takes:
 
 - ``reclaim`` N: returns up to N spare pages, then asks the engine's
@@ -108,7 +110,7 @@ class PoolAgent:
     def __init__(self, core: PoolCore, relink: Callable[[], Lease] | None) -> None:
         self.core = core
         self.relink = relink
-        self._inbox: list[Notice] = []
+        self._inbox: list[tuple[Lease, Notice]] = []  # each with the lease it came on
         self._inbox_lock = threading.Lock()  # a leaf: held only to append or swap the list
         self._wake = threading.Event()
         self._stopping = False
@@ -132,11 +134,14 @@ class PoolAgent:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(10)
 
-    def on_notice(self, notice: Notice) -> None:
-        """Called on the lease's reader thread: queue the notice and wake the agent."""
-        with self._inbox_lock:
-            self._inbox.append(notice)
-        self._wake.set()
+    def listen(self, lease: Lease) -> None:
+        """Have ``lease``'s notices queued here (on its reader thread: never blocks)."""
+        def queue(notice: Notice) -> None:
+            with self._inbox_lock:
+                self._inbox.append((lease, notice))
+            self._wake.set()
+
+        lease.on_notice = queue
 
     def nudge(self) -> None:
         """Wake the agent now (spare pages to return, a hook changed)."""
@@ -154,9 +159,12 @@ class PoolAgent:
             self._wake.clear()
             with self._inbox_lock:
                 notices, self._inbox = self._inbox, []
-            for notice in notices:
+            for lease, notice in notices:
                 if self._stopping:
                     return
+                if lease is not self.core.lease:  # a dead daemon's, or a move's that failed
+                    log.info("pool %s: dropped a %s notice of a lease it no longer holds", self.core.name, notice.kind)
+                    continue
                 self._guarded(self._handle, notice)
             if not self._stopping and self.core.orphaned:
                 self._guarded(free_orphans, self.core)
@@ -213,8 +221,7 @@ class PoolAgent:
         elif isinstance(notice, WakeNotice):
             wake_pool(core, notice)
         elif isinstance(notice, LimitNotice):
-            with core.lock:  # the pages past it are owed (``PoolCore.owed_pages``): the daemon asks no more
-                core.set_limit({"max_bytes": notice.max_bytes, "revision": notice.revision})
+            core.set_limit({"max_bytes": notice.max_bytes, "revision": notice.revision})  # pages past it are owed
         elif isinstance(notice, RevokedNotice):
             self._revoke(notice.why)
         elif isinstance(notice, SleepCancelledNotice):
@@ -322,5 +329,5 @@ class PoolAgent:
             if core.state is PoolState.ACTIVE:
                 core.cell.move(PoolState.DETACHED)
                 log.warning("pool %s: its daemon is gone; serving from the pages mapped", core.name)
-        if self.relink is not None and try_reconnect(core, self.relink):
+        if self.relink is not None and try_reconnect(core, self.relink, self.listen):
             self._reported = None  # tell the new daemon what we hold and whether we can sleep

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -50,6 +51,7 @@ from kvdaemon.client.pool_state import PoolState, PoolStateCell
 from kvdaemon.client.segments import SegmentMap
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.wire.handles import MAX_GROW_PAGES, max_grant_pages
+from kvdaemon.wire.messages import limit_revision
 from kvdaemon.errors import (
     Asleep, BackendError, BadRequest, DaemonUnreachable, KVDaemonError, NoMemory, OverLimit,
     PoolClosed, PoolExhausted,
@@ -86,7 +88,8 @@ class PoolCore:
         self.allocator = self.new_allocator()
         self.sleeping_allocator: BlockAllocator | None = None  # a warm sleeper's blocks
         self.max_bytes: int | None = lease.limit.get("max_bytes")
-        self.limit_revision = _revision(lease.limit)  # of ``max_bytes``: an older report is ignored
+        self.limit_revision = limit_revision(lease.limit)  # of ``max_bytes``: an older report is ignored
+        self.limit_lock = threading.Lock()  # a leaf, over ``max_bytes`` and ``limit_revision`` (``set_limit``)
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
         self.asked_pages = 0  # urgently asked back, still in use: returned as blocks are freed, or lapsed
         self.asked_at = float("-inf")  # when the last urgent ask left pages owed (time.monotonic)
@@ -406,22 +409,19 @@ class PoolCore:
         self.allocator = self.new_allocator()
         self.sleeping_allocator = None
 
-    def set_limit(self, limit: dict[str, Any], fresh: bool = False) -> bool:
+    def set_limit(self, limit: dict[str, Any], fresh: bool = False, lease: Lease | None = None) -> bool:
         """Record the limits the daemon told us (register reply, ``set_limit`` reply, ``limit``
         notice) unless they are older than the ones known (a reply and its notice race: the
         first applies, the second changes nothing); ``fresh``: a new daemon's, whose revisions
-        start again. Yields whether they applied. Caller holds ``lock`` once the pool is shared."""
-        revision = _revision(limit)
-        if not fresh and revision < self.limit_revision:
-            return False
-        max_bytes = limit.get("max_bytes")
-        if isinstance(max_bytes, int):
-            self.max_bytes = max_bytes
-        self.limit_revision = revision
-        return True
-
-
-def _revision(limit: dict[str, Any]) -> int:
-    """The revision of a ``limit`` map; 0 for one without (a daemon's first limits)."""
-    revision = limit.get("revision")
-    return revision if isinstance(revision, int) and not isinstance(revision, bool) else 0
+        start again; ``lease``: told on that lease, ignored once the pool holds another (a
+        dead daemon's word). Yields whether they applied. Takes only ``limit_lock`` (a leaf):
+        never waits for a grow under way. O(1)."""
+        revision = limit_revision(limit)
+        with self.limit_lock:
+            if (lease is not None and lease is not self.lease) or (not fresh and revision < self.limit_revision):
+                return False
+            max_bytes = limit.get("max_bytes")
+            if isinstance(max_bytes, int):
+                self.max_bytes = max_bytes
+            self.limit_revision = revision
+            return True

@@ -41,8 +41,9 @@ log = logging.getLogger("kvdaemon.client.pool")
 MOVES_BEFORE_EMPTY = 10  # refused moves (one per agent tick) before the pool joins empty
 
 
-def try_reconnect(core: PoolCore, relink: Callable[[], Lease]) -> bool:
-    """One attempt; True once the pool is registered with a live daemon again."""
+def try_reconnect(core: PoolCore, relink: Callable[[], Lease], listen: Callable[[Lease], None]) -> bool:
+    """One attempt; True once the pool is registered with a live daemon again. ``listen``
+    routes a lease's notices to the agent (``PoolAgent.listen``)."""
     try:
         lease = relink()
     except DaemonUnreachable as exc:
@@ -53,7 +54,7 @@ def try_reconnect(core: PoolCore, relink: Callable[[], Lease]) -> bool:
             log.warning("pool %s: re-registering failed, retrying: %s", core.name, exc)
         core.relink_error = exc.message
         return False
-    lease.on_notice = core.lease.on_notice  # notices from now on reach the agent (queued till the move ends)
+    listen(lease)  # its notices reach the agent (queued till the move ends; dropped if it fails)
     if core.quiesce_hook is not None:
         core.quiesce_hook()
     try:

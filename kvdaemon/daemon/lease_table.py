@@ -77,7 +77,9 @@ FD_RESERVE_MIN = 256  # fds kept for ZeroMQ's connections, the backend, logs, me
 POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)  # plain ints: flag enums cost on every event
 READABLE = POLLIN | int(zmq.POLLERR)
 
-AttachFn = Callable[[str, str, int], int]
+AttachFn = Callable[[str, str, int], tuple[int, dict[str, Any]]]
+"""Binds a lease: (name, token, pid) -> (tenant id, what its ``ok`` reply tells besides)."""
+GrantsAttachFn = Callable[[str, str, int], int]
 EndLeaseFn = Callable[[int, str, bool], None]
 RequestFn = Callable[[dict[str, Any], Callable[[bytes, bytes], None]], bytes | None]
 """Serves one decoded request with the given reply sink; returns the reply, or None if deferred."""
@@ -132,7 +134,7 @@ class LeaseTable:
 
     def __init__(
         self, poller: zmq.Poller, attach: AttachFn, end_lease: EndLeaseFn,
-        attach_grants: AttachFn | None = None, serve_request: RequestFn | None = None,
+        attach_grants: GrantsAttachFn | None = None, serve_request: RequestFn | None = None,
     ) -> None:
         self._poller = poller
         self._attach_fn = attach
@@ -270,7 +272,7 @@ class LeaseTable:
             if body.get("channel") == "grants":
                 self._attach_grants(conn, name, token)
                 return
-            tenant_id = self._attach_fn(name, token, conn.pid)
+            tenant_id, told = self._attach_fn(name, token, conn.pid)
         except KVDaemonError as exc:
             conn.outbox.push({"ok": False, "error": {"code": exc.code, "message": exc.message}})
             self.flush(conn)
@@ -279,7 +281,7 @@ class LeaseTable:
         conn.tenant_id = tenant_id
         self._waiting.pop(conn.sock.fileno(), None)
         self.leases[tenant_id] = conn
-        conn.outbox.push({"ok": True, "tenant_id": tenant_id})
+        conn.outbox.push({**told, "ok": True, "tenant_id": tenant_id})
         self.flush(conn)
 
     def _attach_grants(self, conn: Conn, name: str, token: str) -> None:

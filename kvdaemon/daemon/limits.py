@@ -16,6 +16,10 @@ A registered tenant's limits change by revision R (default: the current + 1):
 - R equal with other limits: ``CONFLICT``;
 - R older: ``STALE``.
 
+R is at most ``MAX_REVISION`` (2^53 - 1), far below the wire's integer bound, so
+the revisions after it (the current + 1 each) stay on the wire (``BAD_REQUEST``
+past it).
+
 A name that is not registered has no revision: its policy is stored (the
 revision is not checked) and applied when a tenant of that name registers.
 Every field is checked, and the policy written to disk, before anything
@@ -45,6 +49,7 @@ from kvdaemon.wire.protocol import MAX_INT, Args
 from kvdaemon.wire.sizes import SizeSpec, format_bytes
 
 log = logging.getLogger("kvdaemon.limits")
+MAX_REVISION = (1 << 53) - 1  # a limit revision; every one has a next on the wire (module docstring)
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ def plan_limit(
     the plan."""
     if revision is None:
         revision = tenant.limit_revision + 1
+    if revision > MAX_REVISION:
+        raise BadRequest(f"{tenant.name!r} is at revision {tenant.limit_revision}, the last there is")
     if revision < tenant.limit_revision:
         raise StaleRevision(
             f"revision {revision} is older than {tenant.name!r}'s {tenant.limit_revision}"
@@ -148,7 +155,7 @@ class Limiter:
         reset = args.bool("reset")
         if change.is_empty and not reset:
             raise BadRequest("set_limit needs at least one of max, min, weight (or reset)")
-        revision = args.opt_int("revision", 1, MAX_INT)
+        revision = args.opt_int("revision", 1, MAX_REVISION)
         layer = change.over(EMPTY if reset else self.policies.layer(name))
         policy = self.policies.effective(name, layer)
         self._check_policy(name, policy)
@@ -183,7 +190,7 @@ class Limiter:
         )
         check_own(own, self.capacity_bytes)
         bounded = bound(own, self.policies.effective(tenant.name), self.capacity_bytes)
-        plan = self._plan(tenant, bounded, args.opt_int("revision", 1, MAX_INT))
+        plan = self._plan(tenant, bounded, args.opt_int("revision", 1, MAX_REVISION))
         tenant.own = own
         return self._commit(plan, bounded, BY_OWNER)
 

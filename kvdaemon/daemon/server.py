@@ -29,6 +29,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -197,10 +198,13 @@ class Daemon:
 
     # -- handle channel --------------------------------------------------------
 
-    def _attach(self, name: str, token: str, pid: int) -> int:
+    def _attach(self, name: str, token: str, pid: int) -> tuple[int, dict[str, Any]]:
+        """Bind a lease; its reply tells the limits as of now (a change since the
+        registration's reply had no lease to reach)."""
         assert self.service is not None
         with self.service.lock:
-            return self.service.attach(name, token, pid).tenant_id
+            tenant = self.service.attach(name, token, pid)
+            return tenant.tenant_id, {"limit": tenant.limits()}
 
     def _attach_grants(self, name: str, token: str, pid: int) -> int:
         assert self.service is not None

@@ -188,6 +188,7 @@ class Service:
             "version": PROTOCOL_VERSION, "daemon_version": __version__, "pid": os.getpid(),
             "backend": self.backend.name, "device": self.backend.device,
             "page_size": self.pages.page_size_bytes, "capacity_bytes": self.pages.capacity_bytes,
+            "reclaim_wait_s": self.reclaimer.wait_s,  # the longest a grow may wait (its ``wait_s``)
         }
 
     def op_register(self, args: Args, call: Call) -> dict[str, Any]:

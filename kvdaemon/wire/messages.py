@@ -230,6 +230,13 @@ class LimitNotice(Notice):
         )
 
 
+def limit_revision(limit: dict[str, Any]) -> int:
+    """The ``revision`` of a ``limit`` map (a register or attach reply's, a ``set_limit``
+    reply's); 0 without one (a daemon's first limits). O(1)."""
+    revision = limit.get("revision")
+    return revision if isinstance(revision, int) and not isinstance(revision, bool) else 0
+
+
 @dataclass(frozen=True)
 class ShutdownNotice(Notice):
     """The daemon is stopping: keep serving from what is mapped; re-register when it is back."""

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvdaemon.client import KVClient, KVPool, KVSpec, PoolExhausted, pool_agent
+from kvdaemon.client import KVClient, KVPool, KVSpec, Lease, PoolExhausted, pool_agent
 from kvdaemon.client.block_manager import BlockManager
 from kvdaemon.errors import BadRequest
+from kvdaemon.wire.messages import LimitNotice, Notice
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
 
@@ -283,6 +284,53 @@ def test_limits_older_than_the_known_ones_are_ignored(kvd: RunningDaemon) -> Non
         assert core.max_bytes == 5
         assert core.set_limit({"max_bytes": 4, "revision": 1}, fresh=True)  # a new daemon counts again
         assert (core.max_bytes, core.limit_revision) == (4, 1)
+    pool.close()
+
+
+def test_a_lease_keeps_the_notices_read_before_anyone_listens(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    lease = client.lease("bare", SPEC, num_virtual_pages=8)
+    client.set_limit("bare", max_bytes=3 * LOGICAL_PAGE_BYTES)
+    client.set_limit("bare", max_bytes=2 * LOGICAL_PAGE_BYTES)
+    wait_until(lambda: len(lease._early) == 2, 5, "the notices never came")
+    heard: list[Notice] = []
+    lease.on_notice = heard.append  # the first listener hears them, in order
+    assert [(n.max_bytes, n.revision) for n in heard if isinstance(n, LimitNotice)] == [
+        (3 * LOGICAL_PAGE_BYTES, 1), (2 * LOGICAL_PAGE_BYTES, 2)]
+    client.set_limit("bare", max_bytes=LOGICAL_PAGE_BYTES)
+    wait_until(lambda: len(heard) == 3, 5, "a notice after it did not reach the listener")
+    assert not lease._early
+    lease.close()
+
+
+def test_the_attach_reply_tells_a_limit_set_since_the_registration(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    reply = client.call("register", {"name": "late", "spec": SPEC.to_wire(), "num_virtual_pages": 8,
+                                     "pid": os.getpid()})  # fmt: skip
+    client.set_limit("late", max_bytes=3 * LOGICAL_PAGE_BYTES)  # no lease yet: no notice can reach it
+    lease = Lease(client.paths, client.timeout_s, client.backend(), "late", reply)
+    assert lease.limit["max_bytes"] != 3 * LOGICAL_PAGE_BYTES
+    lease.attach()
+    assert (lease.limit["max_bytes"], lease.limit["revision"]) == (3 * LOGICAL_PAGE_BYTES, 1)
+    lease.close()
+
+
+def test_set_limit_on_its_own_pool_does_not_wait_for_a_grow_under_way(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd, num_spare_pages=0, num_prefetch_pages=0, grow_wait_s=2.0)
+    _, other = register(kvd, "b", num_spare_pages=0, num_prefetch_pages=0)
+    held = other.alloc(8 * BLOCKS_PER_PAGE)  # every page: a grow of "a" waits for one to come back
+    waiting = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        grow = waiting.submit(pool.alloc, BLOCKS_PER_PAGE)
+        wait_until(lambda: other.owed_pages > 0, 5, "the grow was not parked (nobody was asked for a page)")
+        client.set_limit("a", max_bytes=4 * LOGICAL_PAGE_BYTES)
+        assert not grow.done()  # answered while the grow still waits (it held the pool's lock)
+        assert pool.max_bytes == 4 * LOGICAL_PAGE_BYTES
+        other.free(held[-BLOCKS_PER_PAGE:])  # its last page empties (page 0 always stays)
+        assert len(grow.result(10)) == BLOCKS_PER_PAGE
+    finally:
+        waiting.shutdown()
+    other.close()
     pool.close()
 
 

@@ -152,7 +152,17 @@ def test_a_grow_that_may_not_wait_fails_at_once_and_still_asks_the_others(kvd: R
 
 def test_grow_wait_s_outside_the_daemons_bound_is_refused(kvd: RunningDaemon) -> None:
     client = kvd.client()
-    pool = client.register("pool", SPEC, grow_wait_s=60.0)
+    with pytest.raises(BadRequest, match="at most 2 s"):  # at once, not at every grow after
+        client.register("pool", SPEC, grow_wait_s=60.0)
+    for wrong in (-1.0, float("nan"), True, "1"):
+        with pytest.raises(BadRequest, match="grow_wait_s"):
+            client.register("pool", SPEC, grow_wait_s=wrong)  # type: ignore[arg-type]
+    assert "pool" not in rows(client)  # nothing registered
+    pool = client.register("pool", SPEC, grow_wait_s=2.0)
+    with pytest.raises(BadRequest, match="grow_wait_s"):
+        pool.grow_wait_s = -0.5
+    assert pool.grow_wait_s == 2.0
+    pool.grow_wait_s = 60.0  # past the daemon's bound, set later: its grows are refused, nothing mapped
     with pytest.raises(BadRequest, match="wait_s"):
         pool.alloc(1)
     assert rows(client)["pool"]["mapped_bytes"] == 0

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from kvdaemon.client import KVClient, KVPool, KVSpec
 from kvdaemon.daemon.policies import parse_policy
 from kvdaemon.daemon.policy_file import policy_path, write_policies
 from kvdaemon.errors import DaemonUnreachable
+from kvdaemon.wire.messages import LimitNotice, Notice
 
 from tests.conftest import PAGE_BYTES, short_dir, start_daemon, tenant_rows, wait_until
 
@@ -145,3 +147,45 @@ def test_a_pool_never_joins_a_daemon_of_another_page_size(root: Path, caplog: py
         assert holds(pool, blocks, 3.0)  # it serves from what it maps
         with pytest.raises(DaemonUnreachable, match="--page-size"):
             pool.alloc(2 * BLOCKS_PER_PAGE)
+
+
+def test_a_dead_daemons_limit_notices_are_dropped_once_the_pool_moved(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logical_page = SPEC.num_segments * PAGE_BYTES
+    first = start_daemon(root)
+    procs = [first]
+    client, admin = KVClient(root), KVClient(root)  # the pool hears of the admin's limits only by notice
+    try:
+        pool = client.register("a", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+        held, seen = threading.Event(), []
+        handle = pool.agent._handle
+
+        def busy_with_the_first(notice: Notice) -> None:  # the agent is slow on one notice
+            if isinstance(notice, LimitNotice) and not seen:
+                seen.append(notice)
+                held.wait(10)
+            handle(notice)
+
+        monkeypatch.setattr(pool.agent, "_handle", busy_with_the_first)
+        for num_pages in (10, 9, 2):  # the dead daemon's revisions 1-3: 2 and 3 wait in the agent's inbox
+            admin.set_limit("a", max_bytes=num_pages * logical_page)
+        wait_until(lambda: seen, 5, "the first notice never reached the agent")
+        first.kill()
+        first.wait(10)
+        procs.append(start_daemon(root))
+        held.set()  # the agent moves the pool, then finds the old daemon's two notices
+        wait_until(lambda: pool.state.name == "ACTIVE" and not pool.lease.lost.is_set(), 15, "no move")
+        admin.close()
+        admin = KVClient(root)
+        wait_until(lambda: tenant_rows(admin) is not None, 5, "the new daemon did not answer")
+        admin.set_limit("a", max_bytes=8 * logical_page)  # the new daemon's own revision
+        wait_until(lambda: pool.max_bytes == 8 * logical_page, 5, "an old daemon's revision hid the new one's")
+        assert len(pool.alloc(4 * BLOCKS_PER_PAGE)) == 4 * BLOCKS_PER_PAGE
+        pool.close()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        client.close()
+        admin.close()

@@ -17,10 +17,12 @@ from kvdaemon.cuda_vmm.backend import MemInfo
 from kvdaemon.errors import BackendError
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.daemon.policy_book import PolicyBook
+from kvdaemon.daemon import limits
 from kvdaemon.daemon import service as service_module
 from kvdaemon.daemon import sleep as sleep_module
 from kvdaemon.daemon.service import Service
-from kvdaemon.wire.protocol import PROTOCOL_VERSION, decode, encode, request
+from kvdaemon.wire.messages import LimitNotice
+from kvdaemon.wire.protocol import MAX_INT, PROTOCOL_VERSION, Args, decode, encode, request
 
 from tests.conftest import PAGE_BYTES, small_spec
 
@@ -213,6 +215,20 @@ def test_set_limit_revisions(h: Harness) -> None:
     assert h.error("set_limit", name="nobody", max_bytes=1, token="x" * 32) == "UNKNOWN_TENANT"
     # each applied change told the tenant its limits; the idempotent replay did not
     assert [n["args"]["revision"] for _, n in h.leases.notices if n["notice"] == "limit"] == [5, 6]
+
+
+def test_a_limit_revision_always_has_a_next_on_the_wire(h: Harness) -> None:
+    reg = h.register("a")
+    last = limits.MAX_REVISION
+    for wrong in (last + 1, MAX_INT):
+        assert h.error("set_limit", name="a", max_bytes=8 * PAGE_BYTES, revision=wrong) == "BAD_REQUEST"
+        assert h.error("set_limit", name="a", token=reg["token"], max_bytes=8 * PAGE_BYTES,
+                       revision=wrong) == "BAD_REQUEST"  # the tenant's own path too
+    assert h.ok("set_limit", name="a", max_bytes=8 * PAGE_BYTES, revision=last)["revision"] == last
+    assert h.error("set_limit", name="a", max_bytes=4 * PAGE_BYTES) == "BAD_REQUEST"  # no next one
+    assert h.ok("status")["tenants"][0]["max_bytes"] == 8 * PAGE_BYTES  # nothing changed
+    notices = [n["args"] for _, n in h.leases.notices if n["notice"] == "limit"]
+    assert [LimitNotice.parse(Args(n)).revision for n in notices] == [last]  # every notice parses
 
 
 def test_lowering_a_limit_below_mapped_tells_the_limit_once(h: Harness) -> None:
