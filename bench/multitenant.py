@@ -66,10 +66,11 @@ control plane does not slow. On a 2-core machine a forward on both cores
 stalls whenever the daemon or an agent runs: there, elastic overload
 throughput read 0.953x and 0.963x static with two threads and 1.000x and
 0.983x with one, the same code, the steps of each mode within 1% either way.
-The driver thread also serves pinned to those first cores (``--no-pin``: not),
-leaving the daemon and the agents the rest, as an engine's threads are bound to
-their cores in a CPU deployment (``multitenant_replay``: unpinned, a driver that
-blocks may wake on the other core, cold, and elastic's driver blocks more often).
+The driver thread also serves pinned to those first cores, and the daemon and
+the pools' agents on the rest (``--no-pin``: neither), as an engine's threads are
+bound to their cores in a CPU deployment (``cores``: unpinned, a driver that
+blocks may wake on the other core, cold; a control plane left free wakes on the
+driver's core and preempts the forward, and elastic's wakes more often).
 
 Per seed: whether contended, both modes' TTFT mean/p99 (and the floor's p99), tokens/s and
 preemptions, the ratios and their verdicts; then the worst ratio per class.
@@ -94,9 +95,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from engine import build_model  # noqa: E402
-from multitenant_replay import (  # noqa: E402
-    BLOCK, PAGE_BYTES, ModeRun, forward_cores, pooled, replay, summarize, third_bytes,
-)
+from cores import forward_cores  # noqa: E402
+from multitenant_replay import BLOCK, PAGE_BYTES, ModeRun, pooled, replay, summarize, third_bytes  # noqa: E402
 from plots import available, machine_caption, memory_plot, model_caption, ttft_plot  # noqa: E402
 from report import RESULTS_DIR, ratio_interval, save, verdict  # noqa: E402
 from traces import Arrival, TraceShape, bursty_trace, steady_trace  # noqa: E402
@@ -404,8 +404,9 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
                         help="threads for the engines' forward (default: one fewer than torch's own, "
                              "at least one; see the module docstring)")
     parser.add_argument("--no-pin", action="store_true",
-                        help="leave the driver thread free to move between cores (default: pinned to the "
-                             "forward's cores while it serves, when a core is left for the daemon)")
+                        help="leave the driver thread and the control plane free to move between cores (default: "
+                             "the driver pinned to the forward's cores while it serves, the daemon and the agents to "
+                             "the rest, when a core is left for them)")
     parser.add_argument("--scale", type=positive(float), default=1.0, help="stretch every bursty trace time by this factor")
     parser.add_argument("--rate-scale", type=positive(float), default=None,
                         help="multiply the bursty traces' rates by this (default: calibrated served / "

@@ -16,13 +16,18 @@ time and steps the engines in turn. Modes:
   that says how much of static's loss was memory's).
 
 With ``cores`` the driver thread runs on those cores only while it serves
-(``pinned``; the bench gives it one core and leaves the others to the daemon
-and the pools' agents), as an engine's threads are bound to their cores in a
-CPU deployment. Unpinned, a driver that blocks (on the daemon, on the GIL
-an agent holds) may wake on the other core with its caches cold, and elastic's
-driver blocks more often: 950-1,350 voluntary context switches per overload
-replay against static's 225-290, in a probe where its forward took 3-7% longer
-than static's for the same steps and tokens (``RESULTS.md``).
+(``cores.pinned``; the bench gives it one core), and the control plane (the
+daemon, the pools' agents and readers) on the others (``cores.control_plane_off``),
+as an engine's threads are bound to their cores in a CPU deployment. Unpinned, a
+driver that blocks (on the daemon, on the GIL an agent holds) may wake on the
+other core with its caches cold, and elastic's driver blocks more often:
+950-1,350 voluntary context switches per overload replay against static's
+225-290, in a probe where its forward took 3-7% longer than static's for the
+same steps and tokens (``RESULTS.md``). With the driver pinned and the control
+plane left free, while another process loaded the machine, the control plane's
+wake-ups landed on the driver's core and preempted its forward: 4,067
+involuntary context switches in an elastic overload replay against static's 460
+(on a quiet machine ~70 in either mode, pinned or not).
 
 Each replay serves with the heap frozen (``kvdaemon.heap``), as a serving
 process does after start-up: a full collection of the models' ~370,000 objects
@@ -43,11 +48,10 @@ import os
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from cores import control_plane_off, pinned
 from daemon_proc import daemon_process
 from report import percentile_us
 from traces import Arrival
@@ -111,30 +115,6 @@ def open_pool(client: KVClient, mode: str, tenant: int, spec: KVSpec, third_byte
     return pool
 
 
-def forward_cores(num_threads: int) -> frozenset[int] | None:
-    """The cores the driver thread serves on: the first ``num_threads`` this process may use,
-    when that leaves at least one for the daemon and the agents; else None (not pinned). O(cores)."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    allowed = sorted(os.sched_getaffinity(0))
-    return frozenset(allowed[:num_threads]) if num_threads < len(allowed) else None
-
-
-@contextmanager
-def pinned(cores: frozenset[int] | None) -> Iterator[None]:
-    """The calling thread on ``cores`` for the block, then back on the cores it had (None: as it is).
-    Threads and processes it starts inside inherit the pin: start them before."""
-    if not cores:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 def replay(
     mode: str, models: list[Any], trace: list[Arrival], capacity_bytes: int, budget: int,
     cores: frozenset[int] | None = None,
@@ -152,7 +132,8 @@ def replay(
         pools = [open_pool(client, mode, i, spec, third) for i in range(len(models))]
         engines = [Engine(m, p, max_num_batched_tokens=budget) for m, p in zip(models, pools)]
         steal_before = host_steal_s()
-        with frozen_heap(), pinned(cores):  # no full collection walks the models mid-replay
+        daemon_pid = client.hello()["pid"]
+        with frozen_heap(), pinned(cores), control_plane_off(cores, daemon_pid):  # no collection mid-replay
             cpu_before = time.thread_time()
             t0 = _serve(run, engines, pools, trace)
             run.driver_cpu_s = time.thread_time() - cpu_before

@@ -157,30 +157,6 @@ def test_seed_lists_name_ranges_and_single_seeds() -> None:
     assert (opts.seeds, opts.light_seeds, opts.overload_seeds) == (list(range(8)), [0, 1, 2, 3], [0, 1])
 
 
-def test_the_driver_is_pinned_to_the_forwards_cores_only_when_one_is_left_for_the_daemon(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(multitenant_replay.os, "sched_getaffinity", lambda pid: {4, 2, 7}, raising=False)
-    assert multitenant_replay.forward_cores(1) == {2}  # the lowest core this process may use
-    assert multitenant_replay.forward_cores(2) == {2, 4}
-    assert multitenant_replay.forward_cores(3) is None  # nothing left for the control plane: not pinned
-    assert multitenant.options([]).no_pin is False and multitenant.options(["--no-pin"]).no_pin is True
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's")
-def test_pinned_holds_the_calling_thread_on_its_cores_for_the_block_only() -> None:
-    before = os.sched_getaffinity(0)
-    core = frozenset({min(before)})
-    with multitenant_replay.pinned(core):
-        assert os.sched_getaffinity(0) == core
-    assert os.sched_getaffinity(0) == before
-    with pytest.raises(RuntimeError), multitenant_replay.pinned(core):
-        raise RuntimeError("a failed replay")
-    assert os.sched_getaffinity(0) == before  # restored however the block ends
-    with multitenant_replay.pinned(None):
-        assert os.sched_getaffinity(0) == before
-
-
 def test_the_forward_leaves_a_core_to_the_control_plane_unless_told() -> None:
     assert multitenant.options([]).torch_threads is None
     assert multitenant.options(["--torch-threads", "3"]).torch_threads == 3
