@@ -106,7 +106,9 @@ class KVClient:
         weight: float | None = None,
         revision: int | None = None,
     ) -> dict[str, Any]:
-        """Change a tenant's limits. ``revision`` makes it idempotent (see the daemon).
+        """Change a tenant's limits as the operator does (``kvdaemon limit``): the daemon keeps
+        them as the name's policy, across the tenant's re-registration and daemon restarts,
+        until changed or reset. ``revision`` makes it idempotent (see the daemon).
 
         When the tenant is a pool of this client, the pool knows the new limits on return
         (its next grow is checked against them, not the ones before the change).
