@@ -27,6 +27,7 @@ from kvdaemon.client.pool import KVPool, check_wait_s
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolClosed
+from kvdaemon.wire.messages import checked_limit
 from kvdaemon.wire.paths import DaemonPaths, default_dir, running_pid
 from kvdaemon.wire.protocol import MAX_VIRTUAL_PAGES, PROTOCOL_VERSION
 
@@ -123,9 +124,10 @@ class KVClient:
         own = self._own_pool(name)
         lease = None if own is None else own.core.lease
         result = self.call("set_limit", args)
-        limit, applied = result.get("limit"), result.get("revision")
-        if own is not None and isinstance(limit, dict) and isinstance(applied, int):
-            own.core.set_limit({**limit, "revision": applied}, lease=lease)  # unless it moved daemons since
+        limit = result.get("limit")
+        told = checked_limit({**limit, "revision": result.get("revision")}) if isinstance(limit, dict) else None
+        if own is not None and told is not None:
+            own.core.set_limit(told, lease=lease)  # unless it moved daemons since
         return result
 
     def sleep(self, name: str, mode: str = "warm", timeout_s: float = 60.0) -> dict[str, Any]:
@@ -199,8 +201,9 @@ class KVClient:
         if not isinstance(spec, KVSpec):
             raise BadRequest(f"spec must be a KVSpec, got {type(spec).__name__}")
         info = self.daemon_info or self.hello()
-        most_s = info.get("reclaim_wait_s")
-        check_wait_s(grow_wait_s, most_s if isinstance(most_s, (int, float)) else math.inf)
+        told_s = info.get("reclaim_wait_s")
+        most_s = float(told_s) if isinstance(told_s, (int, float)) and not isinstance(told_s, bool) else math.inf
+        check_wait_s(grow_wait_s, most_s)
         page = int(info["page_size"])
         total = int(info["capacity_bytes"]) if virtual_bytes is None else virtual_bytes
         if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
@@ -221,6 +224,7 @@ class KVClient:
             lease, spec, num_virtual_pages, num_spare_pages, num_prefetch_pages, auto_wake,
             relink=relink, on_close=self._pool_closed,
         )
+        pool.core.most_wait_s = most_s
         pool.grow_wait_s = grow_wait_s
         try:
             pool.start()

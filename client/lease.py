@@ -41,7 +41,7 @@ from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.errors import BadRequest, DaemonUnreachable, Forbidden, KVDaemonError, NoReply, from_code
 from kvdaemon.wire.handles import close_fds, peer_credentials, recv_frame, send_frame
 from kvdaemon.wire.messages import (
-    Notice, WakeJoin, WakeNotice, limit_revision, parse_grant_pages, parse_notice,
+    Notice, WakeJoin, WakeNotice, checked_limit, limit_revision, parse_grant_pages, parse_notice,
 )
 from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.protocol import result_of
@@ -68,12 +68,14 @@ class Lease:
         self.tenant_id: int = reply["tenant_id"]
         self.page_size_bytes: int = reply["page_size"]
         self.num_segments: int = reply["num_segments"]
-        self.limit: dict[str, Any] = dict(reply.get("limit") or {"max_bytes": reply.get("max_bytes")})
+        self.limit: dict[str, Any] = (checked_limit(reply.get("limit"))
+                                      or checked_limit({"max_bytes": reply.get("max_bytes")}) or {})  # fmt: skip
         self.lost = threading.Event()  # set when the handle channel closes under us
         self.control = ControlChannel(paths, timeout_s, alive=lambda: not self.lost.is_set(), keep=True)
         self._on_notice: Callable[[Notice], None] | None = None
         self._early: list[Notice] = []  # read before anyone listened (``on_notice``)
-        self._notice_lock = threading.Lock()  # a leaf: order of delivery against ``on_notice``
+        self._notice_lock = threading.Lock()  # a leaf (no handler runs under it): ``_early``, ``_replaying``
+        self._replaying = False  # the setter hands the early notices over: later ones queue behind them
         self.outstanding_grows: dict[int, list[int]] = {}  # request id -> candidate pages
         self._sock: socket.socket | None = None
         self._frames: dict[int, list[tuple[dict[str, Any], list[int]]]] = {}
@@ -107,9 +109,9 @@ class Lease:
             sock.close()
             error = body.get("error") or {}
             raise from_code(str(error.get("code")), str(error.get("message")))
-        told = body.get("limit")  # as of now: a change since the registration's reply had no lease to reach
-        if isinstance(told, dict) and limit_revision(told) >= limit_revision(self.limit):
-            self.limit = dict(told)
+        told = checked_limit(body.get("limit"))  # as of now: a change since the register reply had no lease
+        if told is not None and limit_revision(told) >= limit_revision(self.limit):
+            self.limit = told
         sock.settimeout(None)
         self._sock = sock
         self._reader = threading.Thread(target=self._read_loop, name=f"kvdaemon-lease-{self.name}", daemon=True)
@@ -160,12 +162,13 @@ class Lease:
             return
         if notice is None:
             return
-        with self._notice_lock:  # the handler only queues (it must not block)
-            if self._on_notice is not None:
-                self._on_notice(notice)
+        with self._notice_lock:
+            handler = self._on_notice
+            if handler is None or self._replaying:  # kept: handed over in order after the earlier ones
+                self._early.append(notice)
+                del self._early[:-MAX_EARLY_NOTICES]
                 return
-            self._early.append(notice)
-            del self._early[:-MAX_EARLY_NOTICES]
+        _hand(handler, notice, self.name)
 
     @property
     def on_notice(self) -> Callable[[Notice], None] | None:
@@ -174,14 +177,27 @@ class Lease:
 
     @on_notice.setter
     def on_notice(self, handler: Callable[[Notice], None] | None) -> None:
-        """Set the handler; the notices read before any was set go to it first, in order."""
+        """Set the handler. The notices read before any was set go to it first, in order, on a
+        thread of their own (a handler never runs on the caller's thread, nor under a lock of
+        the lease); those read meanwhile follow them."""
         with self._notice_lock:
             self._on_notice = handler
-            if handler is None:
+            if handler is None or self._replaying or not self._early:
                 return
-            early, self._early = self._early, []
+            self._replaying = True
+        threading.Thread(target=self._hand_early, name=f"kvdaemon-lease-{self.name}-early", daemon=True).start()
+
+    def _hand_early(self) -> None:
+        """Hand the notices read before a handler was set to the current one, until none is left."""
+        while True:
+            with self._notice_lock:
+                current = self._on_notice  # replaced meanwhile: the rest is the new one's
+                if current is None or not self._early:
+                    self._replaying = False
+                    return
+                early, self._early = self._early, []
             for notice in early:
-                handler(notice)
+                _hand(current, notice, self.name)
 
     def _join_wake(self, part: WakeNotice) -> WakeNotice | None:
         """The whole wake once its notices (``WakeNotice.parts``, back to back) add up; None
@@ -425,3 +441,9 @@ def _enough(frames: list[tuple[dict[str, Any], list[int]]], num_pages: int) -> b
     return sum(len(b.get("page_ids") or []) for b, _ in frames) >= num_pages
 
 
+def _hand(handler: Callable[[Notice], None], notice: Notice, name: str) -> None:
+    """Give ``notice`` to ``handler``; a handler that raises is logged (the reader goes on)."""
+    try:
+        handler(notice)
+    except Exception:  # a user's handler: it must not end the reader, nor the notices after it
+        log.exception("lease %s: the notice handler failed on a %s notice", name, notice.kind)

@@ -189,9 +189,9 @@ class KVPool:
 
     @grow_wait_s.setter
     def grow_wait_s(self, wait_s: float | None) -> None:
-        """``None`` (the daemon's default) or seconds, at least 0 (``BadRequest`` else; the
-        daemon refuses a grow that would wait longer than its ``reclaim_wait_s``)."""
-        self.core.grow_wait_s = check_wait_s(wait_s)
+        """``None`` (the daemon's default) or seconds from 0 to the daemon's ``reclaim_wait_s``
+        (``BadRequest`` else)."""
+        self.core.grow_wait_s = check_wait_s(wait_s, self.core.most_wait_s)
 
     @property
     def num_block_losses(self) -> int:
@@ -469,7 +469,8 @@ def check_wait_s(wait_s: object, most_s: float = math.inf) -> float | None:
     """``wait_s`` as a grow's wait: ``None``, or a number in [0, ``most_s``]; else ``BadRequest``."""
     if wait_s is None:
         return None
-    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not 0 <= wait_s <= most_s:
+    if (isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not math.isfinite(wait_s)
+            or not 0 <= wait_s <= most_s):  # fmt: skip
         bound = "" if math.isinf(most_s) else f" (this daemon lets a grow wait at most {most_s:g} s)"
         raise BadRequest(f"grow_wait_s must be None or seconds from 0, got {wait_s!r}{bound}")
     return float(wait_s)

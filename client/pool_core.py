@@ -91,6 +91,7 @@ class PoolCore:
         self.limit_revision = limit_revision(lease.limit)  # of ``max_bytes``: an older report is ignored
         self.limit_lock = threading.Lock()  # a leaf, over ``max_bytes`` and ``limit_revision`` (``set_limit``)
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
+        self.most_wait_s = float("inf")  # the daemon's bound on ``grow_wait_s`` (its ``reclaim_wait_s``), if told
         self.asked_pages = 0  # urgently asked back, still in use: returned as blocks are freed, or lapsed
         self.asked_at = float("-inf")  # when the last urgent ask left pages owed (time.monotonic)
         self.reserve_blocks = 0  # kept free and mapped for the engine's next steps (``keep_free``)

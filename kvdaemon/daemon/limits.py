@@ -18,7 +18,8 @@ A registered tenant's limits change by revision R (default: the current + 1):
 
 R is at most ``MAX_REVISION`` (2^53 - 1), far below the wire's integer bound, so
 the revisions after it (the current + 1 each) stay on the wire (``BAD_REQUEST``
-past it).
+past it); a tenant's own R at most the current + 1 (``BAD_REQUEST`` past it: a
+tenant cannot spend the revisions and so shut the operator out).
 
 A name that is not registered has no revision: its policy is stored (the
 revision is not checked) and applied when a tenant of that name registers.
@@ -190,7 +191,8 @@ class Limiter:
         )
         check_own(own, self.capacity_bytes)
         bounded = bound(own, self.policies.effective(tenant.name), self.capacity_bytes)
-        plan = self._plan(tenant, bounded, args.opt_int("revision", 1, MAX_REVISION))
+        # its own revision may not jump: a tenant could otherwise spend them all and shut the operator out
+        plan = self._plan(tenant, bounded, args.opt_int("revision", 1, min(tenant.limit_revision + 1, MAX_REVISION)))
         tenant.own = own
         return self._commit(plan, bounded, BY_OWNER)
 

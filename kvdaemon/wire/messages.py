@@ -237,6 +237,18 @@ def limit_revision(limit: dict[str, Any]) -> int:
     return revision if isinstance(revision, int) and not isinstance(revision, bool) else 0
 
 
+def checked_limit(told: object) -> dict[str, Any] | None:
+    """A reply's ``limit`` map as a pool may use it: ``max_bytes`` and ``revision`` (0 if
+    absent) within a ``limit`` notice's bounds; None when it is not a map or they are not. O(1)."""
+    if not isinstance(told, dict):
+        return None
+    args = Args(told)
+    try:
+        return {"max_bytes": args.int("max_bytes", 0, MAX_INT), "revision": args.int("revision", 0, MAX_INT, 0)}
+    except BadRequest:
+        return None
+
+
 @dataclass(frozen=True)
 class ShutdownNotice(Notice):
     """The daemon is stopping: keep serving from what is mapped; re-register when it is back."""

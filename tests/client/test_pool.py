@@ -294,12 +294,51 @@ def test_a_lease_keeps_the_notices_read_before_anyone_listens(kvd: RunningDaemon
     client.set_limit("bare", max_bytes=2 * LOGICAL_PAGE_BYTES)
     wait_until(lambda: len(lease._early) == 2, 5, "the notices never came")
     heard: list[Notice] = []
-    lease.on_notice = heard.append  # the first listener hears them, in order
+    lease.on_notice = heard.append  # the first listener hears them, in order (not on this thread)
+    wait_until(lambda: len(heard) == 2, 5, "the early notices were not handed over")
     assert [(n.max_bytes, n.revision) for n in heard if isinstance(n, LimitNotice)] == [
         (3 * LOGICAL_PAGE_BYTES, 1), (2 * LOGICAL_PAGE_BYTES, 2)]
     client.set_limit("bare", max_bytes=LOGICAL_PAGE_BYTES)
     wait_until(lambda: len(heard) == 3, 5, "a notice after it did not reach the listener")
     assert not lease._early
+    lease.close()
+
+
+def test_a_lease_handler_may_unset_itself_and_one_that_raises_ends_nothing(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    lease = client.lease("bare", SPEC, num_virtual_pages=8)
+    heard: list[int] = []
+
+    def once(notice: Notice) -> None:  # a one-shot handler (run with no lock of the lease held)
+        heard.append(notice.revision)  # type: ignore[attr-defined]
+        lease.on_notice = None
+
+    lease.on_notice = once
+    client.set_limit("bare", max_bytes=3 * LOGICAL_PAGE_BYTES)
+    wait_until(lambda: heard == [1], 5, "the one-shot handler never ran")
+    mine = threading.Lock()
+
+    def locking(notice: Notice) -> None:  # set under a lock it takes itself: it runs on no caller's thread
+        with mine:
+            heard.append(notice.revision)  # type: ignore[attr-defined]
+
+    with mine:
+        client.set_limit("bare", max_bytes=5 * LOGICAL_PAGE_BYTES)  # read with no handler set: kept
+        wait_until(lambda: lease._early, 5, "the notice never came")
+        lease.on_notice = locking
+    wait_until(lambda: heard == [1, 2], 5, "the early notice was not handed over")
+
+    def broken(notice: Notice) -> None:
+        raise RuntimeError("a user's bug")
+
+    lease.on_notice = broken
+    client.set_limit("bare", max_bytes=2 * LOGICAL_PAGE_BYTES)  # logged; the reader goes on
+    client.set_limit("bare", max_bytes=LOGICAL_PAGE_BYTES)
+    time.sleep(0.2)
+    lease.on_notice = lambda notice: heard.append(notice.revision)  # type: ignore[attr-defined]
+    client.set_limit("bare", max_bytes=4 * LOGICAL_PAGE_BYTES)
+    wait_until(lambda: heard == [1, 2, 5], 5, "the reader stopped after a handler raised")
+    assert not lease.lost.is_set()
     lease.close()
 
 

@@ -222,13 +222,16 @@ def test_a_limit_revision_always_has_a_next_on_the_wire(h: Harness) -> None:
     last = limits.MAX_REVISION
     for wrong in (last + 1, MAX_INT):
         assert h.error("set_limit", name="a", max_bytes=8 * PAGE_BYTES, revision=wrong) == "BAD_REQUEST"
+    for jump in (2, last):  # a tenant's own change may not jump: it would shut the operator out
         assert h.error("set_limit", name="a", token=reg["token"], max_bytes=8 * PAGE_BYTES,
-                       revision=wrong) == "BAD_REQUEST"  # the tenant's own path too
+                       revision=jump) == "BAD_REQUEST"
+    assert h.ok("set_limit", name="a", token=reg["token"], max_bytes=8 * PAGE_BYTES, revision=1)["revision"] == 1
+    assert h.ok("set_limit", name="a", token=reg["token"], max_bytes=8 * PAGE_BYTES, revision=1)["changed"] is False
     assert h.ok("set_limit", name="a", max_bytes=8 * PAGE_BYTES, revision=last)["revision"] == last
     assert h.error("set_limit", name="a", max_bytes=4 * PAGE_BYTES) == "BAD_REQUEST"  # no next one
     assert h.ok("status")["tenants"][0]["max_bytes"] == 8 * PAGE_BYTES  # nothing changed
     notices = [n["args"] for _, n in h.leases.notices if n["notice"] == "limit"]
-    assert [LimitNotice.parse(Args(n)).revision for n in notices] == [last]  # every notice parses
+    assert [LimitNotice.parse(Args(n)).revision for n in notices] == [1, last]  # every notice parses
 
 
 def test_lowering_a_limit_below_mapped_tells_the_limit_once(h: Harness) -> None:

@@ -7,7 +7,7 @@ import pytest
 from kvdaemon.errors import BadRequest
 from kvdaemon.wire.handles import MAX_FRAME_BYTES
 from kvdaemon.wire.messages import (
-    MAX_WAKE_PAGES, FreeNotice, ReclaimNotice, WakeJoin, WakeNotice, parse_notice,
+    MAX_WAKE_PAGES, FreeNotice, ReclaimNotice, WakeJoin, WakeNotice, checked_limit, parse_notice,
 )
 from kvdaemon.wire.protocol import encode
 
@@ -81,3 +81,12 @@ def test_a_wake_part_out_of_step_is_refused_and_nothing_is_added(part: WakeNotic
 def test_a_wake_cannot_start_with_a_later_part() -> None:
     with pytest.raises(BadRequest):
         WakeJoin(WakeNotice("warm", 7, [5], 3, 1))
+
+
+def test_a_replys_limit_map_is_checked_as_a_limit_notices_fields_are() -> None:
+    assert checked_limit({"max_bytes": 8, "min_bytes": 0, "weight": 1.0, "revision": 3}) == {
+        "max_bytes": 8, "revision": 3}
+    assert checked_limit({"max_bytes": 8}) == {"max_bytes": 8, "revision": 0}  # a daemon's first limits
+    for wrong in ({"max_bytes": "lots"}, {"max_bytes": -5}, {"max_bytes": True}, {"max_bytes": 8, "revision": 1 << 80},
+                  {"max_bytes": 8, "revision": False}, {"max_bytes": 8, "revision": None}, {"revision": 1}, [8], None):
+        assert checked_limit(wrong) is None, wrong
