@@ -405,8 +405,8 @@ class KVPool:
                     core.allocator.free(block_ids)
             finally:
                 gate.append(True)
-        if core.owed_pages and core.has_excess():
-            self.agent.nudge()  # the daemon is waiting for these: now, not at the next tick
+        if (core.asked_pages or len(core.segments.pages) > core.max_pages) and core.has_excess():
+            self.agent.nudge()  # owed (``owed_pages``, inlined: plain reads on the fast path): now, not at the tick
 
     def free_later(self, block_ids: list[int]) -> None:
         """Hand blocks to the pool's agent to free at its next wake-up (within a heartbeat).

@@ -88,6 +88,7 @@ class PoolCore:
         self.allocator = self.new_allocator()
         self.sleeping_allocator: BlockAllocator | None = None  # a warm sleeper's blocks
         self.max_bytes: int | None = lease.limit.get("max_bytes")
+        self.max_pages = self._pages_within(self.max_bytes)  # logical pages the known limit holds (``free``)
         self.limit_revision = limit_revision(lease.limit)  # of ``max_bytes``: an older report is ignored
         self.limit_lock = threading.Lock()  # a leaf, over ``max_bytes`` and ``limit_revision`` (``set_limit``)
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
@@ -285,6 +286,10 @@ class PoolCore:
         maps the pages (a wake above a lowered limit owes the excess). O(1)."""
         return max(self.asked_pages, self.pages_over_limit())
 
+    def _pages_within(self, max_bytes: int | None) -> int:
+        """Whole logical pages ``max_bytes`` holds (more than any pool maps when unknown)."""
+        return self.num_virtual_pages + 1 if max_bytes is None else max_bytes // self.logical_page_bytes
+
     def pages_over_limit(self) -> int:
         """Logical pages mapped past the known limit (0 when within it or unknown)."""
         if self.max_bytes is None:
@@ -423,6 +428,6 @@ class PoolCore:
                 return False
             max_bytes = limit.get("max_bytes")
             if isinstance(max_bytes, int):
-                self.max_bytes = max_bytes
+                self.max_bytes, self.max_pages = max_bytes, self._pages_within(max_bytes)
             self.limit_revision = revision
             return True

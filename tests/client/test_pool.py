@@ -373,6 +373,28 @@ def test_set_limit_on_its_own_pool_does_not_wait_for_a_grow_under_way(kvd: Runni
     pool.close()
 
 
+def test_a_free_that_empties_an_owed_page_wakes_the_agent_at_once(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, pool = register(kvd, num_spare_pages=8, num_prefetch_pages=0)
+    blocks = pool.alloc(4 * BLOCKS_PER_PAGE)
+    nudges: list[int] = []
+    monkeypatch.setattr(pool.agent, "nudge", lambda: nudges.append(1))
+    pool.free(blocks[3 * BLOCKS_PER_PAGE :])  # within its limit: the spare page may stay
+    assert not nudges
+    client.set_limit("a", max_bytes=2 * LOGICAL_PAGE_BYTES)  # known at once: 2 pages past it
+    assert pool.core.pages_over_limit() == 2
+    pool.free(blocks[2 * BLOCKS_PER_PAGE : 3 * BLOCKS_PER_PAGE])
+    assert nudges  # the limit's debt: the agent pays now, not at its next tick
+    nudges.clear()
+    client.set_limit("a", max_bytes=8 * LOGICAL_PAGE_BYTES)
+    pool.core.asked_pages = 1  # an urgent reclaim's ask
+    pool.free(blocks[BLOCKS_PER_PAGE : 2 * BLOCKS_PER_PAGE])
+    assert nudges
+    pool.core.asked_pages = 0
+    pool.close()
+
+
 def test_an_idle_engines_cache_pays_a_lowered_limit(kvd: RunningDaemon) -> None:
     client, pool = register(kvd, num_spare_pages=8, num_prefetch_pages=0)
     manager = BlockManager(pool, enable_prefix_cache=True)
