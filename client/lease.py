@@ -13,10 +13,10 @@ mailbox by grant id that ``receive_pages`` waits on; notices are parsed
 (``kvdaemon.wire.messages``) and handed to ``on_notice``, which must not block;
 a wake's notices are joined first and handed over once whole (parts out of
 step close the channel: the lease is lost, never half-mapped). Notices read
-before ``on_notice`` is set (the daemon's first, at attach, before the pool
-has started) are kept, up to ``MAX_EARLY_NOTICES``, and handed over in order
-when it is. The reader takes no lock but the mailbox's and that one's, leaves
-both, so nothing can deadlock with it.
+before ``on_notice`` is set (one right after attach, before the pool has
+started) are kept, up to ``MAX_EARLY_NOTICES``, and handed over in order, on a
+thread of their own, when it is. The reader takes only the mailbox's lock and
+the notices' (a leaf: no handler runs under it), so nothing can deadlock with it.
 
 A grow whose reply does not come in time is not a decision: it stays
 outstanding, its candidate pages are ``in_flight``, and ``late_grants`` returns

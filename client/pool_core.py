@@ -90,7 +90,7 @@ class PoolCore:
         self.max_bytes: int | None = lease.limit.get("max_bytes")
         self.max_pages = self._pages_within(self.max_bytes)  # logical pages the known limit holds (``free``)
         self.limit_revision = limit_revision(lease.limit)  # of ``max_bytes``: an older report is ignored
-        self.limit_lock = threading.Lock()  # a leaf, over ``max_bytes`` and ``limit_revision`` (``set_limit``)
+        self.limit_lock = threading.Lock()  # a leaf, over the three fields above (``set_limit``)
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
         self.most_wait_s = float("inf")  # the daemon's bound on ``grow_wait_s`` (its ``reclaim_wait_s``), if told
         self.asked_pages = 0  # urgently asked back, still in use: returned as blocks are freed, or lapsed
