@@ -58,8 +58,8 @@ first, each only of what the ones before it were not promised (their refused
 grows), so several tenants are not sent after the same pages, all but one to
 be refused again; nothing holds a promise past its pass.
 
-Cost: O(tenants) per parked grow per retry; O(tenants^2) per ``tell_free`` with pages
-free and a tenant waiting.
+Cost: O(tenants) per parked grow per retry, and per refused grow; O(tenants log tenants)
+per ``tell_free`` with pages free and a tenant waiting.
 """
 
 from __future__ import annotations
@@ -194,14 +194,15 @@ class Reclaimer:
         pass, longest refused first, each only of what the ones told before it were not
         promised (their refused grows). A promise lasts that pass: pages a told tenant has
         not taken by the next pass may be told to the next one (nothing holds them for it).
-        O(tenants^2) when pages are free and someone waits, O(tenants) otherwise."""
+        O(tenants log tenants) when pages are free and someone waits, O(tenants) otherwise."""
         num_free = self.pages.num_free
         if not num_free or not self.shares.anyone_short(now):
             return
         waiting = [t for t in self.tenants if t.told_free_at < t.starved_at and self.shares.is_short(t, now)
                    and t.state is TenantState.ACTIVE and t.leased]
+        owed = self.shares.short_owed(now)  # once per pass: nothing is granted during it
         for t in sorted(waiting, key=lambda t: t.starved_at):  # the longest refused first
-            free = self.shares.free_for(t, num_free, now)
+            free = self.shares.free_for(t, num_free, now, owed)
             if free >= t.starved_pages:
                 t.told_free_at = now
                 notify(self.leases, t.tenant_id, FreeNotice(free))

@@ -42,10 +42,13 @@ spare takes new blocks from its own cache (``PoolAgent``) instead of growing.
 
 Invariants: a tenant within its share is never refused for another's
 shortage; nothing here maps or unmaps. Cost: O(tenants) per call at most; O(1) for an
-active tenant's fair share while no tenant changed, and for ``free_for`` while none is short.
+active tenant's share and fair share while no tenant changed (the total weight and the fair
+shares are kept per ``Tenants.version``), and for ``free_for`` while none is short.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from kvdaemon.daemon.tenant import Tenant, Tenants, TenantState
 
@@ -64,6 +67,14 @@ def _whole(tenant: Tenant, part: float) -> int:
     return int(part) // segments * segments
 
 
+@dataclass(frozen=True)
+class ShortOwed:
+    """The pages short tenants below their share are owed, by tenant id, and in all (``Shares.short_owed``)."""
+
+    by_tenant: dict[int, int]
+    num_pages: int
+
+
 def held_pages(tenant: Tenant) -> int:
     """Physical pages ``tenant`` maps."""
     return len(tenant.logical) * tenant.spec.num_segments
@@ -76,6 +87,7 @@ class Shares:
         self.tenants = tenants
         self.num_pages = num_pages
         self._fair: tuple[int, dict[int, int]] | None = None  # (tenants.version, fair_pages_all)
+        self._weight: tuple[int, float] | None = None  # (tenants.version, total weight of the active)
         self._last_starved_at = float("-inf")  # the latest ``starve`` of any tenant
 
     def starve(self, tenant: Tenant, now: float, num_pages: int | None = None) -> None:
@@ -146,22 +158,30 @@ class Shares:
             return None
         return max(0, held_pages(tenant) - self.share_of(tenant))
 
-    def free_for(self, tenant: Tenant, num_free: int, now: float) -> int:
+    def free_for(self, tenant: Tenant, num_free: int, now: float, owed: ShortOwed | None = None) -> int:
         """Free physical pages a grow of ``tenant`` may take: all of them up to its share,
-        past it only those no short tenant below its share is owed. O(1) while no tenant
-        has been short for ``STARVED_S``, else O(tenants)."""
+        past it only those no short tenant below its share is owed. ``owed``: ``short_owed(now)``
+        when the caller asks for several tenants with no grant between (one pass). O(1) while
+        no tenant has been short for ``STARVED_S``, or with ``owed``; else O(tenants)."""
         if not self.anyone_short(now):
             return num_free
-        active = self._active()
-        total = sum(t.weight for t in active)
-        owed = sum(
-            min(t.starved_pages, max(0, self.share_of(t, total) - held_pages(t)))
-            for t in active if t is not tenant and self.is_short(t, now)
-        )  # fmt: skip
-        if not owed:
+        if owed is None:
+            owed = self.short_owed(now)
+        others = owed.num_pages - owed.by_tenant.get(tenant.tenant_id, 0)
+        if not others:
             return num_free
-        room = max(0, self.share_of(tenant, total) - held_pages(tenant))
-        return min(num_free, max(room, num_free - owed))
+        room = max(0, self.share_of(tenant) - held_pages(tenant))
+        return min(num_free, max(room, num_free - others))
+
+    def short_owed(self, now: float) -> ShortOwed:
+        """What each short tenant below its share is owed now (its need, up to its room below
+        its share), and their sum: what ``free_for`` holds back from the others. O(tenants)."""
+        total = self._total_weight()
+        by_tenant = {
+            t.tenant_id: min(t.starved_pages, max(0, self.share_of(t, total) - held_pages(t)))
+            for t in self._active() if self.is_short(t, now)
+        }  # fmt: skip
+        return ShortOwed(by_tenant, sum(by_tenant.values()))
 
     def free_for_ahead(self, tenant: Tenant, num_free: int, now: float) -> int:
         """Free physical pages a grow *ahead of need* may take: ``free_for`` less the
@@ -176,4 +196,8 @@ class Shares:
         return [t for t in self.tenants if t.state is TenantState.ACTIVE and t.leased]
 
     def _total_weight(self) -> float:
-        return sum(t.weight for t in self._active())
+        """The active tenants' total weight: O(tenants) once after they changed
+        (``Tenants.changed``), then O(1)."""
+        if self._weight is None or self._weight[0] != self.tenants.version:
+            self._weight = (self.tenants.version, sum(t.weight for t in self._active()))
+        return self._weight[1]

@@ -9,9 +9,13 @@ per ``interval_s`` for its grows and shrinks (``grew 12 logical page(s) (+24.0 M
 shrank 3 logical page(s) (-6.00 MiB) in the last 10 s; now 1.20 GiB mapped``) and one
 WARNING line for its refused grows, with the last reason. The first news after
 a quiet interval goes out at the next tick; what a tenant did since its last
-summary is flushed when it leaves.
+summary is flushed when it leaves. One tick writes at most ``MAX_LINES_PER_TICK``
+lines, taking the tenants in turn from where the last capped tick stopped: a
+thousand tenants refused at once do not hold the daemon's lock for a thousand
+lines; the rest go out at the next ticks, their counts whole.
 
-Cost: O(tenants) per tick; nothing on the grow path but counter increments.
+Cost: O(tenants) per tick and at most ``MAX_LINES_PER_TICK`` lines; nothing on the
+grow path but counter increments.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from kvdaemon.wire.sizes import format_bytes
 
 log = logging.getLogger("kvdaemon.tenants")
 INTERVAL_S = 10.0
+MAX_LINES_PER_TICK = 16
 
 
 @dataclass
@@ -42,21 +47,30 @@ class _Logged:
 class ActivityLog:
     """Summaries of grows, shrinks and refused grows per tenant (see the module docstring)."""
 
-    def __init__(self, interval_s: float = INTERVAL_S) -> None:
+    def __init__(self, interval_s: float = INTERVAL_S, max_lines_per_tick: int = MAX_LINES_PER_TICK) -> None:
         self.interval_s = interval_s
+        self.max_lines_per_tick = max_lines_per_tick
         self._logged: dict[int, _Logged] = {}
+        self._cursor = 0  # where the next tick starts in the tenants' order, after a capped one
 
     def tick(self, tenants: Iterable[Tenant], now: float) -> None:
-        """Log the summaries that are due."""
-        for tenant in tenants:
-            self._summarise(tenant, now, force=False)
+        """Log the summaries that are due, at most ``max_lines_per_tick`` lines."""
+        order = list(tenants)
+        start, num_lines = (self._cursor % len(order) if order else 0), 0
+        for i in range(len(order)):
+            num_lines += self._summarise(order[(start + i) % len(order)], now, force=False)
+            if num_lines >= self.max_lines_per_tick:
+                self._cursor = start + i + 1
+                return
 
     def flush(self, tenant: Tenant, now: float) -> None:
         """Log what ``tenant`` did since its last summaries, and forget it (it is leaving)."""
         self._summarise(tenant, now, force=True)
         self._logged.pop(tenant.tenant_id, None)
 
-    def _summarise(self, tenant: Tenant, now: float, force: bool) -> None:
+    def _summarise(self, tenant: Tenant, now: float, force: bool) -> int:
+        """Log ``tenant``'s due summaries (all it has, with ``force``); return how many lines."""
+        num_lines = 0
         logged = self._logged.setdefault(tenant.tenant_id, _Logged())
         num_grown = tenant.num_grown_pages - logged.num_grown
         num_shrunk = tenant.num_shrunk_pages - logged.num_shrunk
@@ -70,6 +84,7 @@ class ActivityLog:
                      format_bytes(tenant.mapped_bytes))  # fmt: skip
             logged.num_grown, logged.num_shrunk = tenant.num_grown_pages, tenant.num_shrunk_pages
             logged.growth_at = now
+            num_lines += 1
         num_refused = tenant.num_refused_grows - logged.num_refused
         if num_refused and (force or self._due(logged.refusals_at, now)):
             if num_refused == 1:
@@ -79,6 +94,8 @@ class ActivityLog:
                             num_refused, _period(tenant, logged.refusals_at, now),
                             tenant.last_refusal)  # fmt: skip
             logged.num_refused, logged.refusals_at = tenant.num_refused_grows, now
+            num_lines += 1
+        return num_lines
 
     def _due(self, last: float | None, now: float) -> bool:
         return last is None or now - last >= self.interval_s

@@ -86,3 +86,23 @@ def test_status_tells_each_tenants_fair_share_and_whether_it_is_short(h: Harness
     assert (rows["a"]["short"], rows["hog"]["short"]) == (True, False)
     h.tick(STARVED_S)
     assert not any(row["short"] for row in h.ok("status")["tenants"]), "a refusal older than STARVED_S"
+
+
+def test_a_pass_over_many_short_tenants_walks_the_tenants_once(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, tok = tokens(h, {"hog": 8})  # every page mapped
+    names = [f"t{i}" for i in range(6)]
+    for name in names:  # each refused at once: short, below its share (2 pages), waiting
+        tok[name] = h.register(name)["token"]
+        assert h.error("grow", **h.auth(name, tok[name], logical_pages=[0], wait_s=0)) == "NO_MEMORY"
+    walks: list[int] = []
+    real_active = h.service.shares._active
+    monkeypatch.setattr(h.service.shares, "_active", lambda: walks.append(1) or real_active())
+    h.clock.advance(0.01)
+    assert h.error("grow", **h.auth("t0", tok["t0"], logical_pages=[0], wait_s=0)) == "NO_MEMORY"
+    assert len(walks) <= 2, f"{len(walks)} walks over the tenants for one refused grow: one per short tenant"
+    walks.clear()
+    h.ok("shrink", **h.auth("hog", tok["hog"], logical_pages=[4, 5, 6, 7]))  # free for four of them
+    assert len(frees(h)) == 4, "the longest refused are told, each of what the others were not promised"
+    assert len(walks) <= 2, f"{len(walks)} walks over the tenants for one pass: one per short tenant is O(n^2)"

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvdaemon.daemon.tenant_log import MAX_LINES_PER_TICK
 from kvdaemon.wire.protocol import request
 
 from tests.conftest import PAGE_BYTES, running_daemon, small_spec, wait_until
@@ -272,3 +273,24 @@ def test_a_live_daemon_logs_each_state_change_of_a_real_pool(caplog: pytest.LogC
             logged("tenant qwen-b (pid"),
         )
         kvd.check_invariants()
+
+
+def test_a_tick_writes_at_most_its_lines_and_the_next_ticks_the_rest(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    big = h.register("big")
+    grow(h, "big", big, list(range(8)))  # the whole pool
+    names = [f"t{i}" for i in range(2 * MAX_LINES_PER_TICK + 5)]
+    for name in names:  # each refused once: one WARNING line due per tenant
+        assert grow(h, name, h.register(name), [0], wait_s=0)["error"]["code"] == "NO_MEMORY"
+    caplog.clear()
+    said: list[str] = []
+    for _ in range(3):
+        h.tick(0.1)
+        got = [message for _, message in tenant_lines(caplog)]
+        assert len(got) <= MAX_LINES_PER_TICK
+        said += got
+    refused = [m.split(":")[0].removeprefix("tenant ") for m in said if "refused (NO_MEMORY" in m]
+    assert sorted(refused) == sorted(names), "every tenant's refusal is told once, in turn"
+    h.tick(0.1)
+    assert tenant_lines(caplog) == []
