@@ -295,14 +295,18 @@ class Engine:
         return [r.output_ids for r in requests]
 
     def _awake(self) -> bool:
-        """True when the pool is mapped; wakes a sleeping pool (False if it cannot yet)."""
-        if self.pool.sleep_mode is None:
-            return True
-        try:
-            self.pool.wake()
-        except (Asleep, NoMemory, OverLimit, DaemonUnreachable):
-            return False
-        return self.pool.sleep_mode is None
+        """True when the pool is mapped; wakes a sleeping pool (False if it cannot yet). A wake
+        that found the pool's blocks gone (a warm sleep the daemon made cold meanwhile: the
+        resume hook ran at the sleep, when they were still kept) requeues everything first."""
+        if self.pool.sleep_mode is not None:
+            try:
+                self.pool.wake()
+            except (Asleep, NoMemory, OverLimit, DaemonUnreachable):
+                return False
+            if self.pool.sleep_mode is not None:
+                return False
+        self._forget_lost_blocks()
+        return True
 
     def _forward(self, batch: Batch) -> list[int]:
         """One forward over the batch; the greedy next token of each request that completes its context."""
@@ -323,11 +327,16 @@ class Engine:
         """After a sleep (or a refused one) or a move to a restarted daemon: if the pool lost its
         blocks (cold sleep, woken empty), requeue everything; let steps run again."""
         try:
-            if self.pool.num_block_losses != self._num_block_losses:
-                self._num_block_losses = self.pool.num_block_losses
-                self.scheduler.forget_cache()
+            self._forget_lost_blocks()
         finally:
             self._step_lock.resume()
+
+    def _forget_lost_blocks(self) -> None:
+        """If the pool lost every block since the engine last looked, requeue every request. O(1)
+        when it did not."""
+        if self.pool.num_block_losses != self._num_block_losses:
+            self._num_block_losses = self.pool.num_block_losses
+            self.scheduler.forget_cache()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -337,6 +346,7 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
+            self._forget_lost_blocks()  # a wake that found them gone, with no step since
             for request in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self.scheduler.abort(request)
             self.manager.evict_cached(self.manager.num_evictable_blocks)

@@ -78,10 +78,10 @@ class EngineGate:
                 self.block_pool.release_spare()
 
     def _catch_up(self, needs_memory: bool) -> None:
-        if self.pool.num_block_losses != self._num_losses:
-            self._drop_lost_blocks()
         if needs_memory and self.pool.sleep_mode is not None:
             self._wake()
+        if self.pool.num_block_losses != self._num_losses:  # after the wake: it may find them gone
+            self._drop_lost_blocks()
         block_pool = self.block_pool
         if block_pool is None or self.pool.sleep_mode is not None:
             return

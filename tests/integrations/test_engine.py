@@ -302,7 +302,7 @@ def test_the_paged_attention_outside_the_engine_is_refused(model: Any) -> None:
         model.config._attn_implementation = previous
 
 
-@pytest.mark.parametrize("mode", ["warm", "cold"])
+@pytest.mark.parametrize("mode", ["warm", "cold", "warm-then-cold"])
 def test_sleep_mid_generation_loses_nothing(client: KVClient, model: Any, mode: str) -> None:
     prompts = random_prompts([20, 9, 31], seed=5)
     pool = daemon_pool(client, model)
@@ -311,13 +311,28 @@ def test_sleep_mid_generation_loses_nothing(client: KVClient, model: Any, mode: 
     for _ in range(4):
         engine.step()  # prefills done, a few tokens decoded
     assert all(r.num_output_tokens > 0 for r in requests)
-    client.sleep(pool.name, mode=mode)  # quiesces between steps
-    assert pool.sleep_mode == mode and pool.mapped_bytes == 0
+    for each in mode.split("-then-"):  # quiesces between steps; a warm sleeper is then made cold
+        client.sleep(pool.name, mode=each)
+    assert pool.sleep_mode == mode.split("-then-")[0] and pool.mapped_bytes == 0
     while engine.has_unfinished:
-        engine.step()  # the first step wakes the pool
+        engine.step()  # the first step wakes the pool (warm made cold: it finds the blocks gone)
     assert [r.output_ids for r in requests] == reference_outputs(model, prompts, NEW)
-    assert (engine.num_preemptions > 0) == (mode == "cold")  # cold: recomputed from the prompts
+    assert (engine.num_preemptions > 0) == mode.endswith("cold")  # cold: recomputed from the prompts
     engine.close()
+    pool.close()
+
+
+def test_an_engine_closes_after_a_wake_that_found_its_blocks_gone(client: KVClient, model: Any) -> None:
+    pool = daemon_pool(client, model)
+    engine = Engine(model, pool)
+    run_prompts = random_prompts([33, 17], seed=6)
+    assert engine.generate(run_prompts, NEW) == reference_outputs(model, run_prompts, NEW)  # blocks cached
+    client.sleep(pool.name, mode="warm")
+    client.sleep(pool.name, mode="cold")
+    client.wake(pool.name)  # by the operator: no step of the engine between
+    assert wait_until(lambda: pool.sleep_mode is None, 10) and pool.num_block_losses == 1
+    engine.close()  # nothing of the lost blocks is freed (they were dropped with the pages)
+    assert pool.num_used_blocks == 0
     pool.close()
 
 

@@ -95,3 +95,16 @@ def test_a_cold_sleep_preempts_running_requests_and_drops_the_cache(engine: Engi
     engine.run()
     assert request.is_finished()
     engine.check()
+
+
+def test_a_warm_sleep_made_cold_is_found_at_the_wake_and_the_kv_dropped(engine: Engine) -> None:
+    request, _ = running_request(engine)
+    engine.tenant.client.sleep("a", mode="warm")
+    engine.tenant.client.sleep("a", mode="cold")  # the daemon drops the host copy: the blocks are gone
+    assert state(engine) == "sleeping-cold" and request.num_preemptions == 0  # the engine does not know yet
+    output = engine.step()  # wakes with fresh pages, finds the loss, then schedules
+    assert state(engine) == "active" and request.num_preemptions == 1
+    assert output.num_scheduled_tokens["r"] == 101  # its prompt and first token, computed again
+    engine.run()
+    assert request.is_finished()
+    engine.check()
