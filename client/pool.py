@@ -73,6 +73,7 @@ class KVPool:
         self.blocks_per_page = self.core.allocator.blocks_per_page
         self.agent = PoolAgent(self.core, relink)
         self._gate = self.core.lock.gate  # the block gate's token slot (``PoolLock``)
+        self._mapped = self.core.segments.pages  # the mapped logical pages (one dict for the pool's life)
         self._on_close = on_close
         self._caches: list[torch.Tensor] = []
 
@@ -130,7 +131,9 @@ class KVPool:
 
     @property
     def sleep_mode(self) -> str | None:
-        """``"warm"``/``"cold"`` while asleep (or going to sleep is decided), else ``None``."""
+        """``"warm"``/``"cold"`` while asleep (or going to sleep is decided), else ``None``: the
+        mode the pool went to sleep in (a warm sleep the daemon makes cold meanwhile reads
+        ``"warm"`` until the wake, which then counts a block loss: ``num_block_losses``)."""
         return {PoolState.ASLEEP_WARM: "warm", PoolState.ASLEEP_COLD: "cold"}.get(self.core.state)
 
     @property
@@ -195,7 +198,8 @@ class KVPool:
 
     @property
     def num_block_losses(self) -> int:
-        """Times every block was dropped (a cold sleep, waking empty after a daemon restart)."""
+        """Times every block was dropped (a cold sleep, waking empty after a daemon restart, or
+        a wake that found a warm sleep made cold). Read it after every wake."""
         return self.core.num_block_losses
 
     # -- tensors ---------------------------------------------------------------
@@ -298,9 +302,13 @@ class KVPool:
     def alloc(self, num_blocks: int) -> list[int]:
         """``num_blocks`` block ids over mapped memory; ``PoolExhausted`` with nothing taken.
 
-        Also raises ``Asleep`` (asleep without ``auto_wake``), ``DaemonUnreachable``
-        (the daemon is gone, or ``NoReply``: slow), ``PoolClosed``. When the
-        blocks are free and mapped it takes only the block gate (``PoolLock``).
+        A pool mapping pages past a lowered limit gives out only the free blocks
+        beyond those pages' worth: the rest stay free so that the pages empty and
+        go back (``PoolExhausted`` names the limit), as the ``Engine`` admits no
+        request into them. Also raises ``Asleep`` (asleep without ``auto_wake``),
+        ``DaemonUnreachable`` (the daemon is gone, or ``NoReply``: slow),
+        ``PoolClosed``. When the blocks are free and mapped and the pool is within
+        its limit it takes only the block gate (``PoolLock``).
         """
         gate = self._gate
         try:
@@ -308,8 +316,10 @@ class KVPool:
         except IndexError:
             return self._alloc_locked(num_blocks)
         try:
-            allocator = self.core.allocator
-            if type(num_blocks) is int and 0 < num_blocks <= allocator.num_free:  # 0: the slow path checks state
+            core = self.core
+            allocator = core.allocator
+            if (type(num_blocks) is int and 0 < num_blocks <= allocator.num_free  # 0: the slow path checks state
+                    and len(self._mapped) <= core.max_pages):  # past a limit: the slow path counts
                 return allocator.alloc(num_blocks)
         finally:
             gate.append(True)
@@ -327,6 +337,7 @@ class KVPool:
                 if core.state.asleep and self.auto_wake:
                     return self._alloc_after_wake(num_blocks)
                 core.grow_for(num_blocks)
+            core.check_limit_debt(num_blocks)
             return core.allocator.alloc(num_blocks)
 
     def keep_free(self, num_blocks: int, num_spare_blocks: int = 0, num_ahead_blocks: int = 0) -> None:
@@ -405,7 +416,7 @@ class KVPool:
                     core.allocator.free(block_ids)
             finally:
                 gate.append(True)
-        if (core.asked_pages or len(core.segments.pages) > core.max_pages) and core.has_excess():
+        if (core.asked_pages or len(self._mapped) > core.max_pages) and core.has_excess():
             self.agent.nudge()  # owed (``owed_pages``, inlined: plain reads on the fast path): now, not at the tick
 
     def free_later(self, block_ids: list[int]) -> None:

@@ -296,6 +296,21 @@ class PoolCore:
             return 0
         return max(0, -(-(self.mapped_bytes - self.max_bytes) // self.logical_page_bytes))
 
+    def check_limit_debt(self, num_blocks: int) -> None:
+        """``PoolExhausted`` when taking ``num_blocks`` of the free blocks would leave fewer than
+        the pages mapped past the known limit hold: those stay free, to empty and go back
+        (lock held). O(1)."""
+        over = self.pages_over_limit()
+        if not over:
+            return
+        allowed = self.allocator.num_free - over * self.allocator.blocks_per_page
+        if num_blocks > allowed:
+            raise PoolExhausted(
+                f"pool {self.name!r} maps {over} logical page(s) past its limit of {self.max_bytes} bytes; "
+                f"their blocks stay free until the pages go back, so {max(0, allowed)} of its "
+                f"{self.allocator.num_free} free block(s) may be allocated now"
+            )
+
     def headroom_pages(self) -> int:
         """Logical pages the known limit still allows (a large number when unknown)."""
         if self.max_bytes is None:

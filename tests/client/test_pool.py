@@ -236,6 +236,27 @@ def test_a_lowered_limit_takes_busy_pages_as_their_blocks_are_freed(kvd: Running
     pool.close()
 
 
+def test_a_pool_past_a_lowered_limit_allocates_only_past_the_owed_pages_blocks(kvd: RunningDaemon) -> None:
+    client, pool = register(kvd, num_spare_pages=8, num_prefetch_pages=0)
+    blocks = pool.alloc(4 * BLOCKS_PER_PAGE)  # four pages, all in use
+    half = BLOCKS_PER_PAGE // 2
+    pool.free([b for page in range(3) for b in blocks[page * BLOCKS_PER_PAGE:][:half]])  # three half-empty
+    client.set_limit("a", max_bytes=2 * LOGICAL_PAGE_BYTES)
+    wait_until(lambda: pool.core.owed_pages == 2, 5, "the limit notice was not answered")
+    assert pool.num_free_blocks == 3 * half  # scattered over three pages: none can go back yet
+    with pytest.raises(PoolExhausted, match=r"maps 2 logical page\(s\) past its limit .* so 0 of its"):
+        pool.alloc(1)  # the owed pages' worth of blocks stays free, or they would never empty
+    assert pool.num_free_blocks == 3 * half, "a refused alloc took blocks"
+    live = [b for b in blocks if b not in set(blocks[:half]) | set(blocks[BLOCKS_PER_PAGE:][:half])
+            | set(blocks[2 * BLOCKS_PER_PAGE:][:half])]
+    pool.free(live[:-BLOCKS_PER_PAGE])  # all but the last page's blocks: the limit holds them
+    wait_mapped(client, "a", 2 * LOGICAL_PAGE_BYTES)
+    assert pool.owed_pages == 0
+    assert len(pool.alloc(BLOCKS_PER_PAGE)) == BLOCKS_PER_PAGE  # within the limit: the free blocks serve again
+    kvd.check_invariants()
+    pool.close()
+
+
 def test_a_raised_limit_ends_a_lowered_ones_debt_at_once(kvd: RunningDaemon) -> None:
     client, pool = register(kvd, num_spare_pages=8, num_prefetch_pages=0)
     blocks = pool.alloc(4 * BLOCKS_PER_PAGE)  # four pages, all in use
