@@ -118,6 +118,10 @@ def log_registered(tenant: Tenant, bounded: Bounded, policy: str) -> None:
         format_bytes(tenant.logical_page_bytes), format_bytes(limits.max_bytes),
         format_bytes(limits.min_bytes), limits.weight, policy, clamped,
     )  # fmt: skip
+    if limits.max_bytes < tenant.logical_page_bytes:
+        log.warning("tenant %s: its limit of %s is under its logical page of %s: it can map nothing "
+                    "until the limit is raised (kvdaemon limit %s --max SIZE)", tenant.name,
+                    format_bytes(limits.max_bytes), format_bytes(tenant.logical_page_bytes), tenant.name)
 
 
 def log_removed(tenant: Tenant, num_pages: int, why: str, clean: bool) -> None:

@@ -294,3 +294,16 @@ def test_a_tick_writes_at_most_its_lines_and_the_next_ticks_the_rest(
     assert sorted(refused) == sorted(names), "every tenant's refusal is told once, in turn"
     h.tick(0.1)
     assert tenant_lines(caplog) == []
+
+
+def test_a_registration_under_a_limit_below_its_logical_page_is_a_warning(
+    h: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    h.ok("set_limit", name="z", max_bytes=0)  # not registered: its logical page is not known yet
+    caplog.clear()
+    reg = h.register("z")
+    assert lines(caplog)[1:] == [("WARNING", (
+        "tenant z: its limit of 0 B is under its logical page of 4.00 MiB: it can map nothing until the "
+        "limit is raised (kvdaemon limit z --max SIZE)"
+    ))]  # fmt: skip
+    assert grow(h, "z", reg, [0])["error"]["code"] == "OVER_LIMIT"
