@@ -38,7 +38,19 @@ def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> N
 
 
 class _Group(click.Group):
+    """The ``kvdaemon`` group: ``kvdaemon --json CMD ...`` is ``kvdaemon CMD ... --json``
+    (the flag is every printing command's; the group has none of its own)."""
+
     command_class = JsonAwareCommand
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        head = 0
+        while head < len(args) and args[head].startswith("-") and args[head] != "--json":
+            head += 1  # the group's own flags (--help, --version) before the command
+        if head < len(args) and args[head] == "--json" and head + 1 < len(args) \
+                and not args[head + 1].startswith("-"):
+            args = [*args[:head], *args[head + 1:], "--json"]
+        return super().parse_args(ctx, args)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"],

@@ -252,3 +252,12 @@ def test_an_empty_dir_is_a_usage_error_not_the_working_directory(tmp_path: Any, 
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
     assert "the directory must be a non-empty path" in error_of(done, 2, "USAGE")
     assert list(tmp_path.iterdir()) == []  # nothing was made in the working directory
+
+
+def test_json_before_the_command_is_the_commands_flag(cli: Cli) -> None:
+    assert error_of(cli.run("--json", "status"), 1, "UNREACHABLE")
+    assert cli.start().returncode == 0
+    assert set(json_of(cli.run("--json", "status"))) == STATUS_KEYS
+    assert error_of(cli.run("--json", "status", "nobody"), 3, "UNKNOWN_TENANT")
+    done = cli.run("--json")  # no command: click's usage error, as before
+    assert done.returncode == 2 and done.stdout == ""
