@@ -98,10 +98,10 @@ class Shares:
             tenant.starved_pages = num_pages
         self._last_starved_at = max(self._last_starved_at, now)
 
-    def share_of(self, tenant: Tenant, total_weight: float | None = None) -> int:
-        """Physical pages that are ``tenant``'s weighted share of the device now
-        (``total_weight``: of the active tenants, when the caller has it)."""
-        total = total_weight if total_weight is not None else self._total_weight()
+    def share_of(self, tenant: Tenant) -> int:
+        """Physical pages that are ``tenant``'s weighted share of the device now. O(1) while
+        no tenant changed (``_total_weight``)."""
+        total = self._total_weight()
         return int(self.num_pages * tenant.weight / (total or tenant.weight))
 
     def fair_pages(self, tenant: Tenant) -> int:
@@ -176,9 +176,8 @@ class Shares:
     def short_owed(self, now: float) -> ShortOwed:
         """What each short tenant below its share is owed now (its need, up to its room below
         its share), and their sum: what ``free_for`` holds back from the others. O(tenants)."""
-        total = self._total_weight()
         by_tenant = {
-            t.tenant_id: min(t.starved_pages, max(0, self.share_of(t, total) - held_pages(t)))
+            t.tenant_id: min(t.starved_pages, max(0, self.share_of(t) - held_pages(t)))
             for t in self._active() if self.is_short(t, now)
         }  # fmt: skip
         return ShortOwed(by_tenant, sum(by_tenant.values()))
