@@ -14,7 +14,9 @@ pool's lock only as long as each answer takes:
   the daemon's ``STARVED_S``) after the last urgent ask, down to the pages
   mapped past a known limit: the daemon asks a parked grow's victims again
   more often than that, and a requester refused again asks again, so only a
-  debt nobody waits for lapses;
+  debt nobody waits for lapses. An ask read after its ``expires_at`` (the
+  daemon's clock, placed beside ours by each quick heartbeat) is let go: the
+  process was stopped or starved meanwhile, and the daemon no longer waits on it;
 - ``free``: pages a refused grow wanted are free again: the back-off ends, the
   engine's own grows may ask at once, and the reserve is probed now (a pool that
   recycles its cache leaves that to its engine's next allocation);
@@ -57,6 +59,7 @@ on: it never dies silently. Cost: nothing on the engine's hot path.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -77,6 +80,7 @@ log = logging.getLogger("kvdaemon.client.pool")
 HEARTBEAT_S = 1.0
 OWED_S = 1.0  # an urgent ask's debt lapses this long after the last one (the daemon's STARVED_S)
 REPORT_MIN_S = HEARTBEAT_S  # changed figures (used bytes, activity) are told at most this often
+CLOCK_TRIP_S = 0.05  # a heartbeat slower than this does not place the daemon's clock (``_note_daemon_clock``)
 IDLE_HEARTBEAT_S = 5.0  # told at least this often, changed or not: the daemon's sign of life (``silent_seconds``)
 GROW_RETRY_S = 0.02  # a refused grow-ahead is tried again this soon, then twice as late each time
 GROW_RETRY_MAX_S = 1.0  # ... up to this (a ``free`` notice ends the wait sooner)
@@ -123,6 +127,7 @@ class PoolAgent:
         self._report_at = 0.0  # no heartbeat before this, unless a whole HEARTBEAT_S passed
         self._active = False  # the engine stepped since the last heartbeat
         self._active_at = float("-inf")  # when the agent last saw the engine step
+        self.daemon_clock_offset_s: float | None = None  # the daemon's clock minus ours (``_note_daemon_clock``)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"kvpool-{self.core.name}", daemon=True)
@@ -211,7 +216,8 @@ class PoolAgent:
         if core.state.ended:
             return
         if isinstance(notice, ReclaimNotice):
-            self._reclaim(notice.num_pages, notice.urgent)
+            if not self._expired(notice):
+                self._reclaim(notice.num_pages, notice.urgent)
         elif isinstance(notice, FreeNotice):
             with core.lock:
                 core.refused_at = float("-inf")
@@ -228,6 +234,21 @@ class PoolAgent:
             log.info("pool %s: the daemon cancelled sleep %d", core.name, notice.sleep_id)
         elif isinstance(notice, ShutdownNotice):
             log.info("pool %s: the daemon is stopping; serving from the pages mapped", core.name)
+
+    def _expired(self, notice: ReclaimNotice) -> bool:
+        """True (logged) for an ask read after its ``expires_at``, by the daemon's clock as the
+        last quick heartbeat placed it beside ours: nobody waits on it (the process was stopped
+        or starved meanwhile), and shedding pages for it would only cost cache. Unknown (no
+        stamp, no heartbeat yet): False. O(1)."""
+        offset_s = self.daemon_clock_offset_s
+        if notice.expires_at is None or offset_s is None:
+            return False
+        late_s = time.monotonic() + offset_s - notice.expires_at
+        if late_s <= 0:
+            return False
+        log.info("pool %s: let go of a reclaim ask of %d page(s) read %.1f s after it lapsed",
+                 self.core.name, notice.num_pages, late_s)
+        return True
 
     def _reclaim(self, wanted: int, urgent: bool) -> None:
         core = self.core
@@ -276,13 +297,23 @@ class PoolAgent:
         due = now >= self._report_at and (report != self._reported or self._active or refused
                                           or now - self._report_at >= IDLE_HEARTBEAT_S - REPORT_MIN_S)
         if urgent or due:
+            sent_at = time.monotonic()
             reply = core.lease.heartbeat(used_bytes=report[0], sleepable=report[1], active=self._active,
                                          num_refused=refused)  # fmt: skip
+            self._note_daemon_clock(reply.get("now"), sent_at, time.monotonic())
             self._refusals_told += refused
             core.fair_bytes, core.ahead_room_bytes = (
                 value if type(value) is int and value >= 0 else None
                 for value in (reply.get("fair_bytes"), reply.get("ahead_bytes")))
             self._reported, self._active, self._report_at = report, False, now + REPORT_MIN_S
+
+    def _note_daemon_clock(self, daemon_now: object, sent_at: float, replied_at: float) -> None:
+        """Place the daemon's clock beside ours from one heartbeat: its reading against the
+        midpoint of the round trip, kept only when the trip took under ``CLOCK_TRIP_S`` (the
+        error is at most half of it). Both are ``CLOCK_MONOTONIC`` on one machine, so the offset
+        holds until the next daemon (zero, unless the two sit in different time namespaces)."""
+        if type(daemon_now) is float and math.isfinite(daemon_now) and replied_at - sent_at < CLOCK_TRIP_S:
+            self.daemon_clock_offset_s = daemon_now - (sent_at + replied_at) / 2
 
     def _grow_ahead(self) -> None:
         """The reserve, then (once it is mapped) the floor, each unless backing off (lock held);
@@ -331,3 +362,4 @@ class PoolAgent:
                 log.warning("pool %s: its daemon is gone; serving from the pages mapped", core.name)
         if self.relink is not None and try_reconnect(core, self.relink, self.listen):
             self._reported = None  # tell the new daemon what we hold and whether we can sleep
+            self.daemon_clock_offset_s = None  # the new daemon's clock is placed at its first heartbeat

@@ -168,7 +168,7 @@ class Reclaimer:
                 return
             ask = min(pages_above_min, max(remaining, 1))
             num_logical = -(-ask // victim.spec.num_segments)
-            notify(self.leases, victim.tenant_id, ReclaimNotice(num_logical, urgent))
+            notify(self.leases, victim.tenant_id, ReclaimNotice(num_logical, urgent, now + LAPSE_S))
             if urgent:
                 victim.debt.ask(num_logical, now)
             self.num_reclaim_requests += 1

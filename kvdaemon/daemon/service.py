@@ -341,7 +341,8 @@ class Service:
         page_bytes, now = self.pages.page_size_bytes, self.clock()
         return {"state": tenant.state.value, "max_bytes": tenant.max_bytes, "free_bytes": self.pages.free_bytes,
                 "fair_bytes": self.shares.fair_pages(tenant) * page_bytes,
-                "ahead_bytes": self.shares.free_for_ahead(tenant, self.pages.num_free, now) * page_bytes}
+                "ahead_bytes": self.shares.free_for_ahead(tenant, self.pages.num_free, now) * page_bytes,
+                "now": now}  # the clock of a reclaim notice's ``expires_at``
 
     def op_unregister(self, args: Args, _call: Call) -> dict[str, Any]:
         tenant = self._authenticated(args)

@@ -18,7 +18,8 @@ grow          tenant, token, logical_pages (candidates, in order), min_pages?,
               max_bytes
 shrink        tenant, token, logical_pages -> num_released, mapped_bytes
 heartbeat     tenant, token, used_bytes?, sleepable?, active? -> state, max_bytes, free_bytes,
-              fair_bytes (its fair share), ahead_bytes (what a grow ahead of need could take)
+              fair_bytes (its fair share), ahead_bytes (what a grow ahead of need could take),
+              now (the daemon's clock, as a reclaim notice's ``expires_at`` reads it)
 unregister    tenant, token -> num_released
 status        -> the ``status --json`` object
 set_limit     name, max_bytes?, min_bytes?, weight?, revision?, max?, min? (size text:
@@ -52,6 +53,7 @@ OPS = (
 )
 SLEEP_MODES = ("warm", "cold")
 MAX_WAKE_PAGES = 8192  # logical pages one wake notice names: 5 bytes each at most, within a frame
+MAX_CLOCK_S = 1e15  # a clock reading in seconds (``CLOCK_MONOTONIC``) beyond any machine's uptime
 
 
 @dataclass(frozen=True)
@@ -71,15 +73,19 @@ class ReclaimNotice(Notice):
     ``urgent`` (another tenant's real need, or a lowered limit): what cannot go
     now is *owed*, returned as its blocks are freed, and the engine admits no
     new request into it. Not urgent (the daemon keeping memory free ahead of
-    need): only what can go now."""
+    need): only what can go now. ``expires_at`` (the daemon's ``CLOCK_MONOTONIC``, where it
+    says): past it nobody waits on the ask any more (its debt lapsed), so a tenant that reads
+    it later (stopped, starved) lets it go instead of shedding pages nobody needs now."""
 
     kind: ClassVar[str] = "reclaim"
     num_pages: int
     urgent: bool = True
+    expires_at: float | None = None
 
     @classmethod
     def parse(cls, args: Args) -> ReclaimNotice:
-        return cls(args.int("num_pages", 1, MAX_INT), args.bool("urgent", True))
+        return cls(args.int("num_pages", 1, MAX_INT), args.bool("urgent", True),
+                   args.opt_float("expires_at", -MAX_CLOCK_S, MAX_CLOCK_S))
 
 
 @dataclass(frozen=True)

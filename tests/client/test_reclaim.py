@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 from kvdaemon.client import KVClient, KVSpec, PoolExhausted
 from kvdaemon.client.pool_state import PoolState
+from kvdaemon.daemon.reclaim_debt import LAPSE_S
 from kvdaemon.errors import BadRequest
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
@@ -148,6 +151,33 @@ def test_a_grow_that_may_not_wait_fails_at_once_and_still_asks_the_others(kvd: R
     kvd.check_invariants()
     idle.close()
     eager.close()
+
+
+@SPARE_PAGES_ALONE
+def test_an_ask_read_after_it_lapsed_is_let_go(kvd: RunningDaemon, caplog: pytest.LogCaptureFixture) -> None:
+    """A tenant stalled past an ask's lapse (stopped, starved) keeps its pages when it reads the ask:
+    nobody waits on it any more. The asks after it are answered as ever."""
+    caplog.set_level(logging.INFO, logger="kvdaemon.client.pool")
+    client = kvd.client()
+    idle = client.register("idle", SPEC, num_spare_pages=8, num_prefetch_pages=0)
+    idle.free(idle.alloc(6 * BLOCKS_PER_PAGE))  # six spare logical pages stay mapped
+    wait_until(lambda: idle.agent.daemon_clock_offset_s is not None)  # its first heartbeat placed the clock
+    eager = client.register("eager", SPEC, num_prefetch_pages=0, grow_wait_s=0.0)
+    with idle.agent._inbox_lock:  # the agent and its reader stall, as a stopped process's would
+        with pytest.raises(PoolExhausted, match="daemon refused"):
+            eager.alloc(4 * BLOCKS_PER_PAGE)  # the idle pool is asked for two pages
+        eager.close()  # and nobody needs them any more
+        time.sleep(LAPSE_S + 0.3)
+    wait_until(lambda: "let go of a reclaim ask of 2 page(s)" in caplog.text)
+    time.sleep(0.2)
+    assert rows(client)["idle"]["mapped_bytes"] == 6 * LOGICAL  # nothing shed for the lapsed ask
+    again = client.register("again", SPEC, num_prefetch_pages=0, grow_wait_s=0.0)
+    with pytest.raises(PoolExhausted, match="daemon refused"):
+        again.alloc(4 * BLOCKS_PER_PAGE)  # a fresh ask ...
+    wait_until(lambda: rows(client)["idle"]["mapped_bytes"] <= 4 * LOGICAL)  # ... is answered
+    kvd.check_invariants()
+    idle.close()
+    again.close()
 
 
 def test_grow_wait_s_outside_the_daemons_bound_is_refused(kvd: RunningDaemon) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvdaemon.daemon.reclaim import ASK_AHEAD_S
+from kvdaemon.daemon.reclaim_debt import LAPSE_S
 from kvdaemon.daemon.shares import LOW_WATER
 from kvdaemon.daemon.tenant import TenantState
 
@@ -62,6 +63,9 @@ def test_an_ask_ahead_is_not_urgent_and_an_ask_for_a_grow_is(h: Harness) -> None
     assert h.error("grow", **h.auth("small", small.token, logical_pages=[2, 3], wait_s=0)) == "NO_MEMORY"
     asks = [body["args"] for _, body in h.leases.notices if body["notice"] == "reclaim"]
     assert asks[-1]["urgent"] is True, "a grow's real need is owed"
+    assert asks[-1]["expires_at"] == h.clock() + LAPSE_S, "read later than its debt lasts, it is let go"
+    hb = h.ok("heartbeat", **h.auth("small", small.token))
+    assert hb["now"] == h.clock(), "the clock the ask's expiry reads, for the tenant to place beside its own"
 
 
 def test_an_ask_ahead_goes_to_the_tenant_past_its_fair_share_not_the_largest(h: Harness) -> None:

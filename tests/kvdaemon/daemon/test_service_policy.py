@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvdaemon.daemon.reclaim import MAX_PARKED_PER_TENANT
+from kvdaemon.daemon.reclaim_debt import LAPSE_S
 from kvdaemon.wire.protocol import decode, request
 
 from tests.conftest import PAGE_BYTES
@@ -52,7 +53,7 @@ def test_reclaim_escalates_with_the_clock(h: Harness) -> None:
     h.ok("grow", **h.auth("a", a["token"], logical_pages=[0, 1, 2, 3, 4, 5]))  # 12 of 16 pages
     assert h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2]))) is None
     # parked: a is asked at once for just the missing pages (6 wanted, 4 free)
-    assert notices_to(h, a, "reclaim") == [{"num_pages": 1, "urgent": True}]
+    assert notices_to(h, a, "reclaim") == [{"num_pages": 1, "urgent": True, "expires_at": h.clock() + LAPSE_S}]
     h.tick(0.2)
     assert len(notices_to(h, a, "reclaim")) == 1 and h.replies == []
     h.tick(0.1)  # past escalate_s: every victim asked for what is missing
@@ -93,7 +94,7 @@ def test_a_parked_grow_asks_its_victims_again_while_it_waits(h: Harness) -> None
     h.tick(0.3)  # past twice that: no victim can sleep; asked 0.3 s ago
     assert len(notices_to(h, a, "reclaim")) == 2
     h.tick(0.3)  # 0.6 s since the last ask: asked again, so a's debt does not lapse
-    assert notices_to(h, a, "reclaim")[2:] == [{"num_pages": 1, "urgent": True}]
+    assert notices_to(h, a, "reclaim")[2:] == [{"num_pages": 1, "urgent": True, "expires_at": h.clock() + LAPSE_S}]
     h.tick(0.3)
     assert len(notices_to(h, a, "reclaim")) == 3
     h.tick(0.3)
@@ -198,7 +199,8 @@ def test_a_warm_wake_short_of_pages_is_served_by_reclaim_like_a_grow(h: Harness)
     b = h.register("b")
     h.ok("grow", **h.auth("b", b["token"], logical_pages=list(range(6))))  # 12 pages: 4 free, a needs 10
     assert h.service.dispatch(b"admin", request(9, "wake", {"name": "a"})) is None  # parked, not refused
-    assert notices_to(h, b, "reclaim") == [{"num_pages": 3, "urgent": True}]  # just what is missing
+    assert notices_to(h, b, "reclaim") == [  # just what is missing
+        {"num_pages": 3, "urgent": True, "expires_at": h.clock() + LAPSE_S}]
     assert h.ok("status")["tenants"][0]["state"] == "sleeping-warm"
     assert h.service.dispatch(b"admin", request(10, "wake", {"name": "a"})) is None  # a second waits too
     h.ok("shrink", **h.auth("b", b["token"], logical_pages=[3, 4, 5]))  # b gives its cache back

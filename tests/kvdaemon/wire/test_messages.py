@@ -13,7 +13,8 @@ from kvdaemon.wire.protocol import encode
 
 
 @pytest.mark.parametrize("notice", [
-    ReclaimNotice(3), ReclaimNotice(1, urgent=False), FreeNotice(16), WakeNotice("warm", 4, [7, 2], 9, 3),
+    ReclaimNotice(3), ReclaimNotice(1, urgent=False), ReclaimNotice(2, True, 5123.25), FreeNotice(16),
+    WakeNotice("warm", 4, [7, 2], 9, 3),
     WakeNotice("cold", 0),
 ])
 def test_a_notice_comes_back_from_its_wire_form(notice: object) -> None:
@@ -25,9 +26,19 @@ def test_a_reclaim_without_the_urgent_field_is_urgent() -> None:
     assert parse_notice({"notice": "reclaim", "args": {"num_pages": 2}}) == ReclaimNotice(2, urgent=True)
 
 
+def test_a_reclaim_without_an_expiry_never_expires() -> None:
+    """An older daemon's ask (no ``expires_at``, or nil) is answered whenever it is read."""
+    for args in ({"num_pages": 2}, {"num_pages": 2, "expires_at": None}):
+        assert parse_notice({"notice": "reclaim", "args": args}).expires_at is None  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("body", [
     {"notice": "reclaim", "args": {"num_pages": 2, "urgent": "no"}},
     {"notice": "reclaim", "args": {"num_pages": 0}},
+    {"notice": "reclaim", "args": {"num_pages": 2, "expires_at": "soon"}},
+    {"notice": "reclaim", "args": {"num_pages": 2, "expires_at": float("nan")}},
+    {"notice": "reclaim", "args": {"num_pages": 2, "expires_at": float("inf")}},
+    {"notice": "reclaim", "args": {"num_pages": 2, "expires_at": True}},
     {"notice": "free", "args": {"num_pages": 0}},
     {"notice": "free", "args": {"num_pages": True}},
     {"notice": "free", "args": {}},
