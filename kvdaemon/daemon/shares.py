@@ -17,7 +17,11 @@ Two rules follow, both about pages a short tenant below its share is owed:
   tenant past its share while another tenant below its share is short, up to
   what that one needs (its own need and its room below its share). Pages
   reclaim brought back for a short tenant therefore reach it, not the next
-  busy tenant that grows ahead.
+  busy tenant that grows ahead. A short tenant whose need passes its room is
+  owed that room only while it is the longest refused of such tenants
+  (``short_owed``): each of two such tenants would otherwise hold back pages
+  the other's grow needs, and with three, grows that each fit the free pages
+  alone were all refused for as long as they kept asking.
 
 Grows *ahead of need* (``free_for_ahead``: a pool mapping its engine's
 speculative floor) take only what is free above ``LOW_WATER`` of the pages
@@ -174,12 +178,23 @@ class Shares:
         return min(num_free, max(room, num_free - others))
 
     def short_owed(self, now: float) -> ShortOwed:
-        """What each short tenant below its share is owed now (its need, up to its room below
-        its share), and their sum: what ``free_for`` holds back from the others. O(tenants)."""
-        by_tenant = {
-            t.tenant_id: min(t.starved_pages, max(0, self.share_of(t) - held_pages(t)))
-            for t in self._active() if self.is_short(t, now)
-        }  # fmt: skip
+        """What each short tenant below its share is owed now, and their sum: what ``free_for``
+        holds back from the others. A need within its room below its share is owed whole; of
+        the short tenants whose need passes their room, only the longest refused is owed that
+        room (two of them would each hold back what the other's grow needs, and neither could
+        ever fit). O(tenants)."""
+        by_tenant: dict[int, int] = {}
+        beyond: tuple[float, int, int] | None = None  # (refused at, tenant id, room): the longest refused
+        for t in self._active():
+            if not self.is_short(t, now):
+                continue
+            room = max(0, self.share_of(t) - held_pages(t))
+            if t.starved_pages <= room:
+                by_tenant[t.tenant_id] = t.starved_pages
+            elif room and (beyond is None or (t.starved_at, t.tenant_id) < beyond[:2]):
+                beyond = (t.starved_at, t.tenant_id, room)
+        if beyond is not None:
+            by_tenant[beyond[1]] = beyond[2]
         return ShortOwed(by_tenant, sum(by_tenant.values()))
 
     def free_for_ahead(self, tenant: Tenant, num_free: int, now: float) -> int:

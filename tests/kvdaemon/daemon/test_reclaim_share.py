@@ -82,3 +82,23 @@ def test_a_tenant_within_its_share_is_never_refused_for_another(h: Harness) -> N
     h.ok("grow", **h.auth("a", tok["a"], logical_pages=[2, 3], wait_s=0))  # up to a's own share
     assert h.error("grow", **h.auth("a", tok["a"], logical_pages=[4], wait_s=0)) == "NO_MEMORY"
     h.ok("grow", **h.auth("b", tok["b"], logical_pages=[2, 3], wait_s=0))
+
+
+def test_tenants_that_each_need_more_than_their_share_take_turns(h: Harness) -> None:
+    """Short tenants each needing 8 of 16 pages against a share of 5: each held back its room from
+    the others, so with three of them 10 of 16 free pages were held and no 8-page grow could fit."""
+    _, tok = tokens(h, {"a": 4, "b": 4})  # 8 physical pages each: full
+    tok["c"] = h.register("c")["token"]
+    need = [0, 1, 2, 3]  # 4 logical pages of 2 segments: 8 physical pages
+    assert h.error("grow", **h.auth("c", tok["c"], logical_pages=need, wait_s=0)) == "NO_MEMORY"
+    h.tick(0.1)
+    h.ok("shrink", **h.auth("b", tok["b"], logical_pages=need))
+    assert h.error("grow", **h.auth("b", tok["b"], logical_pages=need, wait_s=0)) == "NO_MEMORY", \
+        "c, refused first, is owed its room (5): 3 of the 8 free pages are left for b"
+    h.tick(0.1)
+    h.ok("shrink", **h.auth("a", tok["a"], logical_pages=need))  # 16 free, b and c short
+    h.ok("grow", **h.auth("a", tok["a"], logical_pages=need, wait_s=0))  # c's room held back: 11 left
+    assert h.error("grow", **h.auth("b", tok["b"], logical_pages=need, wait_s=0)) == "NO_MEMORY"
+    h.ok("grow", **h.auth("c", tok["c"], logical_pages=need, wait_s=0))  # the longest refused
+    h.ok("shrink", **h.auth("a", tok["a"], logical_pages=need))
+    h.ok("grow", **h.auth("b", tok["b"], logical_pages=need, wait_s=0))  # b's turn
