@@ -102,22 +102,11 @@ class Grants:
         ``Asleep``/``Conflict``/``BadRequest`` for a tenant that may not grow or
         pages it already holds.
         """
-        if tenant.state is not TenantState.ACTIVE:
-            raise Asleep(f"tenant {tenant.name!r} is {tenant.state.value}; wake it first")
-        if tenant.pending_sleep is not None:
-            raise Asleep(f"tenant {tenant.name!r} is going to sleep")
-        if not tenant.leased:
-            raise Conflict(f"tenant {tenant.name!r} has not attached its handle channel")
+        self._check_grower(tenant)
         held = [lp for lp in candidates if lp in tenant.logical]
         if held:
             raise BadRequest(f"logical pages {held[:8]} are already mapped")
-        by_limit = max(0, tenant.max_bytes - tenant.mapped_bytes) // tenant.logical_page_bytes
-        if by_limit < min_pages:
-            raise OverLimit(
-                f"tenant {tenant.name!r} holds {tenant.mapped_bytes} bytes; {min_pages} more "
-                f"logical page(s) of {tenant.logical_page_bytes} would pass its limit of "
-                f"{tenant.max_bytes}"
-            )
+        by_limit = self._by_limit(tenant, min_pages)
         cap = max_grant_pages(tenant.spec.num_segments)  # the reply fits in one handle frame
         if min_pages > cap:
             raise BadRequest(f"a grow may ask for at most {cap} logical pages at least, got {min_pages}")
@@ -139,6 +128,38 @@ class Grants:
                 f"pages, {self.pages.num_free} free{held}"
             )
         return min(len(candidates), by_limit, by_free, cap)
+
+    def check_may_fit(self, tenant: Tenant, min_pages: int) -> None:
+        """Raise what ``num_grantable`` would, where O(1) says so: ``Asleep``/``Conflict``,
+        ``OverLimit``, or ``NoMemory`` when even every free page is fewer than ``min_pages``
+        need (a parked grow's retry, before its O(candidates) attempt)."""
+        self._check_grower(tenant)
+        self._by_limit(tenant, min_pages)
+        need = min_pages * tenant.spec.num_segments
+        if self.pages.num_free < need:
+            raise NoMemory(f"{min_pages} logical page(s) need {need} pages, {self.pages.num_free} free")
+
+    @staticmethod
+    def _check_grower(tenant: Tenant) -> None:
+        """``Asleep``/``Conflict`` for a tenant that may not grow now. O(1)."""
+        if tenant.state is not TenantState.ACTIVE:
+            raise Asleep(f"tenant {tenant.name!r} is {tenant.state.value}; wake it first")
+        if tenant.pending_sleep is not None:
+            raise Asleep(f"tenant {tenant.name!r} is going to sleep")
+        if not tenant.leased:
+            raise Conflict(f"tenant {tenant.name!r} has not attached its handle channel")
+
+    @staticmethod
+    def _by_limit(tenant: Tenant, min_pages: int) -> int:
+        """Logical pages ``tenant``'s limit lets it add; ``OverLimit`` when fewer than ``min_pages``. O(1)."""
+        by_limit = max(0, tenant.max_bytes - tenant.mapped_bytes) // tenant.logical_page_bytes
+        if by_limit < min_pages:
+            raise OverLimit(
+                f"tenant {tenant.name!r} holds {tenant.mapped_bytes} bytes; {min_pages} more "
+                f"logical page(s) of {tenant.logical_page_bytes} would pass its limit of "
+                f"{tenant.max_bytes}"
+            )
+        return by_limit
 
     def _export(self, pages: list[PhysicalPage]) -> list[tuple[int, list[int], list[int]]]:
         """Export ``pages`` in frames of at most ``MAX_FDS_PER_FRAME`` pages.

@@ -239,6 +239,7 @@ class Reclaimer:
             if parked.attempt is not None:
                 result = parked.attempt(tenant, now)
             else:
+                self.grants.check_may_fit(tenant, parked.min_pages)  # O(1): most retries end here
                 result = self.grants.grow(tenant, parked.candidates, parked.min_pages, now)
         except NoMemory as exc:
             assert tenant is not None

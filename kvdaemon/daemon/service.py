@@ -55,6 +55,7 @@ from kvdaemon.daemon.tenant_log import ActivityLog, log_registered, log_removed
 from kvdaemon.errors import (
     BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
 )
+from kvdaemon.wire.handles import MAX_GROW_PAGES, max_grant_pages
 from kvdaemon.wire.messages import SLEEP_MODES
 from kvdaemon.wire.protocol import (
     MAX_INT, MAX_VIRTUAL_PAGES, PROTOCOL_VERSION, REQUEST_LIMITS, Args, decode, peek_request_id, reply_error,
@@ -296,10 +297,14 @@ class Service:
 
     def op_grow(self, args: Args, call: Call) -> dict[str, Any] | PendingReply:
         tenant = self._authenticated(args)
-        candidates = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1)
+        candidates = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1, MAX_GROW_PAGES)
         if not candidates:
             raise BadRequest("field 'logical_pages' is empty")
         min_pages = args.int("min_pages", 1, len(candidates), default=len(candidates))
+        cap = max_grant_pages(tenant.spec.num_segments)
+        if min_pages > cap:  # the reply must fit in one handle frame
+            raise BadRequest(f"a grow may ask for at most {cap} logical pages at least, got {min_pages}")
+        candidates = candidates[:cap]  # no more are ever granted: a parked grow's retries stay O(cap)
         wait_s = args.float("wait_s", 0.0, self.reclaimer.wait_s, default=self.reclaimer.wait_s)
         ahead = args.bool("ahead")  # speculative: no reclaim, no waiting, not short for it
         now = self.clock()
@@ -322,7 +327,7 @@ class Service:
 
     def op_shrink(self, args: Args, _call: Call) -> dict[str, Any]:
         tenant = self._authenticated(args)
-        wanted = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1)
+        wanted = args.int_list("logical_pages", 0, tenant.num_virtual_pages - 1, MAX_GROW_PAGES)
         return self.grants.shrink(tenant, wanted, self.clock())
 
     def op_heartbeat(self, args: Args, _call: Call) -> dict[str, Any]:

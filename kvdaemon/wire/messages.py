@@ -11,12 +11,12 @@ hello         version -> pid, backend, device, page_size, capacity_bytes, versio
 register      name, spec, num_virtual_pages, max_bytes?, min_bytes, weight, pid,
               sleepable -> tenant_id, token, page_size, num_segments, limit (a
               ``LimitNotice`` map)
-grow          tenant, token, logical_pages (candidates, in order), min_pages?,
+grow          tenant, token, logical_pages (candidates, in order; at most 4096), min_pages?,
               wait_s?, ahead? (ahead of need: only pages free above the low-water
               mark, no reclaim, no wait) -> grant_id, pages [[lp, [page ids]]]
               (``min_pages`` <= n <= len(logical_pages), the first n candidates),
               max_bytes
-shrink        tenant, token, logical_pages -> num_released, mapped_bytes
+shrink        tenant, token, logical_pages (at most 4096) -> num_released, mapped_bytes
 heartbeat     tenant, token, used_bytes?, sleepable?, active? -> state, max_bytes, free_bytes,
               fair_bytes (its fair share), ahead_bytes (what a grow ahead of need could take),
               now (the daemon's clock, as a reclaim notice's ``expires_at`` reads it)

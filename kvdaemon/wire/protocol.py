@@ -27,6 +27,7 @@ from kvdaemon.errors import BadRequest, KVDaemonError, from_code
 PROTOCOL_VERSION = 2  # 2: a wake's logical pages in parts (WakeNotice.parts)
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_LIST_LEN = 1 << 16
+MAX_REQUEST_LIST_LEN = 8192  # a request's longest list: a grow's or shrink's pages (handles.MAX_GROW_PAGES), twice
 MAX_VIRTUAL_PAGES = 1 << 24  # logical pages a tenant may reserve
 MAX_MAP_LEN = 256
 MAX_STR_LEN = 1024
@@ -41,10 +42,13 @@ class DecodeLimits:
     (a map entry counts two). Unpacking costs about 0.3-0.5 us per container
     and 25-50 ns per other object, so these bound a message's decode time, which
     the byte cap alone does not (1 MiB of empty arrays is ~1M lists: ~0.5-1 s).
+    ``max_array_len`` refuses a longer array at its header, before any of its
+    items is read.
     """
 
     max_containers: int
     max_items: int
+    max_array_len: int = MAX_LIST_LEN
 
     def admit_all(self, num_bytes: int) -> bool:
         """True when no message of ``num_bytes`` can pass these limits (objects take a byte)."""
@@ -54,8 +58,9 @@ class DecodeLimits:
 # Anything within the byte cap: replies, which the client decodes off the daemon's thread.
 MESSAGE_LIMITS = DecodeLimits(max_containers=MAX_MESSAGE_BYTES, max_items=MAX_MESSAGE_BYTES)
 # A request to the daemon (and a handle frame it reads): one list of up to
-# MAX_LIST_LEN ints and a few small maps need far less; decoding stays under ~5 ms.
-REQUEST_LIMITS = DecodeLimits(max_containers=4096, max_items=MAX_LIST_LEN + 4096)
+# MAX_REQUEST_LIST_LEN ints and a few small maps need far less; decoding stays under ~1 ms.
+REQUEST_LIMITS = DecodeLimits(
+    max_containers=4096, max_items=MAX_REQUEST_LIST_LEN + 4096, max_array_len=MAX_REQUEST_LIST_LEN)
 
 
 class _OverLimits(Exception):
@@ -105,7 +110,7 @@ def decode(data: bytes, limits: DecodeLimits = MESSAGE_LIMITS) -> dict[str, Any]
             strict_map_key=True,
             max_str_len=MAX_STR_LEN,
             max_bin_len=MAX_STR_LEN,
-            max_array_len=MAX_LIST_LEN,
+            max_array_len=limits.max_array_len,
             max_map_len=MAX_MAP_LEN,
             max_ext_len=0,
             **hooks,

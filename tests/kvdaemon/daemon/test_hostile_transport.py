@@ -23,7 +23,7 @@ import zmq
 
 from kvdaemon.client import KVClient
 from kvdaemon.daemon import grants, lease_table, server
-from kvdaemon.errors import Forbidden, KVDaemonError, UnknownTenant
+from kvdaemon.errors import BadRequest, Forbidden, KVDaemonError, UnknownTenant
 from kvdaemon.wire.handles import recv_frame
 from kvdaemon.wire.protocol import decode, encode, request
 
@@ -301,7 +301,7 @@ def test_a_failed_export_gives_the_pages_back(
 
 
 def test_a_request_of_a_million_empty_arrays_is_refused(kvd: RunningDaemon) -> None:
-    costly = encode({"id": 7, "op": "status", "args": {"x": [[[]] * 65536] * 15}})
+    costly = encode({"id": 7, "op": "status", "args": {"x": [[[]] * 8192] * 120}})
     ctx = zmq.Context()
     try:
         dealer = ctx.socket(zmq.DEALER)
@@ -315,6 +315,13 @@ def test_a_request_of_a_million_empty_arrays_is_refused(kvd: RunningDaemon) -> N
         ctx.term()
     assert reply["ok"] is False and reply["error"]["code"] == "BAD_REQUEST", reply
     assert "too complex" in reply["error"]["message"]
+
+
+def test_a_request_with_a_list_too_long_is_refused_at_its_header(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    with pytest.raises(BadRequest, match="65536 exceeds max_array_len"):
+        client.call("status", {"x": [0] * 65536})
+    assert client.status()["tenants"] == []  # and the daemon goes on
 
 
 FLOODER = """

@@ -341,7 +341,13 @@ def test_max_bytes_is_clamped_to_capacity(h: Harness) -> None:
 def test_huge_grow_is_refused_before_any_work(h: Harness) -> None:
     reg = h.ok("register", name="big", spec=small_spec().to_wire(), num_virtual_pages=1 << 16)
     h.service.attach("big", reg["token"], pid=1)
-    code = h.error("grow", **h.auth("big", reg["token"], logical_pages=list(range(60000))))
+    reply = h.call("grow", **h.auth("big", reg["token"], logical_pages=list(range(60000))))
+    assert reply["error"] == {"code": "BAD_REQUEST",  # refused at the list's header
+                              "message": "undecodable message: 60000 exceeds max_array_len(8192)"}
+    reply = h.call("grow", **h.auth("big", reg["token"], logical_pages=list(range(5000))))
+    assert reply["error"] == {"code": "BAD_REQUEST",  # more than any client names at once
+                              "message": "field 'logical_pages' has 5000 items, more than 4096"}
+    code = h.error("grow", **h.auth("big", reg["token"], logical_pages=list(range(3000))))
     assert code == "OVER_LIMIT"  # refused by arithmetic, before any page or owner is built
 
 

@@ -10,9 +10,10 @@ import pytest
 
 from kvdaemon.daemon.reclaim import MAX_PARKED_PER_TENANT
 from kvdaemon.daemon.reclaim_debt import LAPSE_S
+from kvdaemon.wire.handles import MAX_GROW_PAGES, max_grant_pages
 from kvdaemon.wire.protocol import decode, request
 
-from tests.conftest import PAGE_BYTES
+from tests.conftest import PAGE_BYTES, small_spec
 from tests.kvdaemon.daemon.test_service import NUM_PAGES, Harness, deferred, start_sleep
 
 
@@ -239,3 +240,33 @@ def test_a_tenant_parks_a_bounded_number_of_grows(h: Harness) -> None:
     assert len(h.service.reclaimer.parked) == MAX_PARKED_PER_TENANT
     h.tick(2.1)  # every parked grow is answered
     assert len(h.replies) == MAX_PARKED_PER_TENANT and h.service.reclaimer.parked == []
+
+
+def test_a_parked_grow_keeps_one_grants_worth_of_candidates_and_retries_in_constant_time(
+    h: Harness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A grow naming tens of thousands of candidates was parked with all of them, and every retry
+    (after every request to the daemon) scanned them all: a few such tenants stalled everyone."""
+    a = h.register("a")
+    b = h.register("b", num_virtual_pages=1 << 16)
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=list(range(8))))  # 16 of 16 pages
+    nseg = small_spec().num_segments
+    for op in ("grow", "shrink"):  # more than one request may name, as the client sends them
+        code = h.error(op, **h.auth("b", b["token"], logical_pages=list(range(1, MAX_GROW_PAGES + 2))))
+        assert code == "BAD_REQUEST"
+    assert h.service.dispatch(b"b", request(5, "grow", h.auth(
+        "b", b["token"], logical_pages=list(range(1, MAX_GROW_PAGES + 1)), min_pages=1))) is None  # parked
+    (parked,) = h.service.reclaimer.parked
+    assert parked.candidates == list(range(1, 1 + max_grant_pages(nseg)))  # no more are ever granted
+    attempts = []
+    grow = h.service.grants.grow
+    monkeypatch.setattr(h.service.grants, "grow", lambda *args: attempts.append(1) or grow(*args))
+    for _ in range(5):
+        h.ok("status")
+        h.tick(0.01)
+    assert attempts == [], "no free page: each retry ends at the free count, before the candidates"
+    h.ok("shrink", **h.auth("a", a["token"], logical_pages=[7]))
+    h.tick(0.01)
+    routing_id, payload = h.replies.pop()
+    assert routing_id == b"b" and [lp for lp, _ in decode(payload)["result"]["pages"]] == [1]
+    assert attempts == [1]
