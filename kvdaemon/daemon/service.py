@@ -63,6 +63,7 @@ from kvdaemon.wire.protocol import (
 )
 
 log = logging.getLogger("kvdaemon.service")
+MAX_CONNS_REMEMBERED = 4096  # control connections whose dropped registrations are counted (``_make_room``)
 Clock = Callable[[], float]
 
 
@@ -111,6 +112,7 @@ class Service:
         self.activity = ActivityLog()
         self.warnings = LogThrottle(log)  # removals of tenants that never attached: a flood is one line
         self.num_never_attached = 0  # tenants dropped without ever attaching (timed out or evicted)
+        self._num_dropped_unattached: dict[bytes, int] = {}  # ... by the connection that registered them
         for name in self.policies.names():
             sources = ", ".join(f"{f} from {src}" for f, src in self.policies.sources(name).items())
             log.info("operator policy of %s: %s (%s)", name,
@@ -251,15 +253,18 @@ class Service:
         """Room for one more tenant registered by connection ``routing_id``; returns how many
         of that connection's wait to attach their handle channel. Registrations never attached cannot keep a new
         tenant out: past ``MAX_UNATTACHED_PER_CONN`` of this connection its own oldest is
-        dropped, past ``MAX_UNATTACHED`` in all the oldest of the connection holding the most
-        (an honest client registers one tenant at a time and attaches within milliseconds, so
-        a flood drops its own). ``Conflict`` at ``MAX_TENANTS``. O(tenants)."""
+        dropped, past ``MAX_UNATTACHED`` in all the oldest of the connection that has had the
+        most registrations dropped unattached before, then holds the most waiting (an honest
+        client registers one tenant at a time and attaches within milliseconds: it has none
+        dropped, so a flood from many connections drops its own, not the honest one's in the
+        milliseconds before it attaches). ``Conflict`` at ``MAX_TENANTS``. O(tenants)."""
         waiting = self.tenants.unattached()
         by_conn = Counter(t.registered_by for t in waiting)
         if by_conn[routing_id] >= MAX_UNATTACHED_PER_CONN:
             hog = routing_id
         elif len(waiting) >= MAX_UNATTACHED:
-            hog = max(by_conn, key=lambda conn: by_conn[conn])
+            drops = self._num_dropped_unattached
+            hog = max(by_conn, key=lambda conn: (drops.get(conn, 0), by_conn[conn]))  # ties: the oldest
         else:
             hog = None
         if hog is not None:
@@ -276,6 +281,10 @@ class Service:
         per ``kind`` every ``LogThrottle`` interval, with the count of the others."""
         self.remove(tenant, why, clean=False, logged=False)
         self.num_never_attached += 1
+        drops = self._num_dropped_unattached
+        drops[tenant.registered_by] = drops.pop(tenant.registered_by, 0) + 1  # now the newest entry
+        if len(drops) > MAX_CONNS_REMEMBERED:
+            del drops[next(iter(drops))]  # the connection whose last drop is oldest
         self.warnings.warning(kind, "tenant %s (pid %d) removed: %s", tenant.name, tenant.pid, why)
 
     def _check_fits(self, spec: WireSpec, max_bytes: int | None) -> None:

@@ -489,6 +489,32 @@ def test_registrations_never_attached_cannot_keep_a_new_tenant_out(
     assert len(registered) < 20  # the flood's registrations are one line a while too
 
 
+def test_a_flood_from_many_connections_drops_its_own_registrations(
+    h: Harness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each flooding connection holds one registration waiting at a time, as an honest one does in
+    the milliseconds before it attaches: the tie went to the oldest waiting, the honest one's."""
+    monkeypatch.setattr(service_module, "MAX_UNATTACHED", 6)
+    ids = iter(range(1000, 9000))
+
+    def register_on(conn: bytes, name: str) -> dict[str, Any]:
+        h.clock.advance(0.001)
+        args = {"name": name, "spec": small_spec().to_wire(), "num_virtual_pages": 8}
+        reply = h.raw(request(next(ids), "register", args), routing_id=conn)
+        assert reply["ok"], reply
+        return reply["result"]
+
+    for i in range(12):  # ten connections start a flood: the first two registrations are dropped
+        register_on(b"flood%d" % (i % 10), f"warm{i}")
+    for round_no in range(3):
+        honest = register_on(b"honest%d" % round_no, f"honest{round_no}")  # its attach follows ...
+        for i in range(20):  # ... after twenty more registrations of the flood
+            register_on(b"flood%d" % (i % 10), f"f{round_no}-{i}")
+        assert f"honest{round_no}" in h.service.tenants, "the honest registration was dropped"
+        h.service.attach(f"honest{round_no}", honest["token"], pid=1234)
+    assert h.ok("status")["counters"]["never_attached"] == 72 - 5  # the flood's, but the 5 still waiting
+
+
 def test_the_daemon_holds_at_most_max_tenants(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(service_module, "MAX_TENANTS", 3)
     for name in ("a", "b", "c"):
