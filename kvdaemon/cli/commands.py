@@ -20,7 +20,7 @@ from kvdaemon.cli import detach, lifecycle, reach, tenant_commands, top_live, to
 from kvdaemon.cli.options import (
     JsonAwareCommand, SecondsParam, command_help, daemon_dir, daemon_options,
 )  # fmt: skip
-from kvdaemon.cli.output import emit, reporting
+from kvdaemon.cli.output import emit, fail_usage, reporting
 from kvdaemon.cli.tenant_commands import stdout_console
 from kvdaemon.cli.versions import version_text, versions
 from kvdaemon.daemon.config import load_config
@@ -50,7 +50,18 @@ class _Group(click.Group):
         if head < len(args) and args[head] == "--json" and head + 1 < len(args) \
                 and not args[head + 1].startswith("-"):
             args = [*args[:head], *args[head + 1:], "--json"]
+        ctx.meta["kvdaemon.json"] = "--json" in args
         return super().parse_args(ctx, args)
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        """As click's; an unknown command with ``--json`` among the arguments is a ``USAGE``
+        JSON error (exit 2), as a bad flag of a known one is."""
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as err:
+            if ctx.meta.get("kvdaemon.json"):
+                fail_usage(err.format_message(), as_json=True)
+            raise
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"],

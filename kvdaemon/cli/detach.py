@@ -39,7 +39,8 @@ def start_detached(config: DaemonConfig, timeout_s: float = 30.0) -> int:
     when the child refused its configuration (exit status 2: e.g. a capacity
     larger than the device), with the child's one-line reason;
     ``LifecycleError`` (with the tail of the log) when it exits otherwise or
-    does not answer within ``timeout_s`` (then it is killed). Costs one
+    does not answer within ``timeout_s`` (then it is killed), or when the
+    process cannot be started at all (its interpreter missing or not executable). Costs one
     process start plus a ``hello`` every 50 ms.
     """
     paths = config.paths
@@ -54,17 +55,23 @@ def start_detached(config: DaemonConfig, timeout_s: float = 30.0) -> int:
     except OSError as err:
         raise ConfigError(f"cannot open log file {log_file}: {err.strerror}") from err
     with os.fdopen(log_fd, "ab") as log_stream:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "kvdaemon", "start", "--foreground",
-             *replace(config, log_file=log_file).to_argv()],
-            stdin=subprocess.DEVNULL,
-            stdout=log_stream,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-            cwd="/",
-            env=_child_env(os.environ),
-        )  # fmt: skip
+        try:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "kvdaemon", "start", "--foreground",
+                 *replace(config, log_file=log_file).to_argv()],
+                stdin=subprocess.DEVNULL,
+                stdout=log_stream,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+                cwd="/",
+                env=_child_env(os.environ),
+            )  # fmt: skip
+        except OSError as err:  # the interpreter gone, or not this user's to run
+            raise LifecycleError(
+                f"cannot start the daemon's process with {sys.executable}: {err.strerror or err}; "
+                "run kvdaemon from an installation this user can execute, or start --foreground"
+            ) from err
     return _await_hello(child, paths.root, log_file, log_offset, timeout_s)
 
 

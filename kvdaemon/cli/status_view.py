@@ -155,8 +155,9 @@ def tenant_notes(tenant: dict[str, Any]) -> list[str]:
                      f"fair share {format_bytes(int(tenant['fair_bytes']))})")
     unpaid = int(tenant.get("unpaid_reclaims", 0))
     if unpaid:
-        notes.append(f"gave nothing back for {unpaid} urgent reclaim ask(s) ({format_bytes(int(tenant['mapped_bytes']))}"
-                     f" held): it ignores them, or all its blocks were in use")
+        notes.append(f"gave nothing back for {unpaid} urgent reclaim ask(s) since it registered "
+                     f"({format_bytes(int(tenant['mapped_bytes']))} held now): it ignores them, or all its "
+                     "blocks were in use then")
     if cannot_sleep(tenant):
         notes.append("cannot be slept (no quiesce hook)")
     if is_silent(tenant):

@@ -224,7 +224,7 @@ class Tenant:
             "pid": self.pid,
             "state": self.state.value,
             "mapped_bytes": self.mapped_bytes,
-            "used_bytes": self.used_bytes,
+            "used_bytes": min(self.used_bytes, self.mapped_bytes),  # its heartbeat lags a grow or sleep
             "max_bytes": self.max_bytes,
             "min_bytes": self.min_bytes,
             "weight": self.weight,

@@ -19,7 +19,7 @@ import pytest
 from kvdaemon.cli import detach, lifecycle, reach
 from kvdaemon.client import KVClient
 from kvdaemon.daemon.config import DaemonConfig
-from kvdaemon.errors import ConfigError, Conflict, DaemonUnreachable, UnsafeDirectory
+from kvdaemon.errors import ConfigError, Conflict, DaemonUnreachable, LifecycleError, UnsafeDirectory
 from kvdaemon.wire.paths import DaemonPaths, running_pid
 from kvdaemon.wire.sizes import parse_size
 from tests.conftest import short_dir
@@ -175,6 +175,14 @@ def test_start_detached_reports_a_refused_config_as_the_childs_own_error(root: P
     assert caught.value.code == "CONFIG"
     assert caught.value.message.startswith("capacity 1099511627776000 (1000.0 TiB) exceeds the device")
     assert "\n" not in caught.value.message
+    assert running_pid(DaemonPaths(root)) is None
+
+
+def test_start_detached_names_an_interpreter_it_cannot_run(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(detach.sys, "executable", str(root / "no-such-python"))
+    with pytest.raises(LifecycleError, match=r"cannot start the daemon's process with .*no-such-python: "
+                                             r"No such file or directory; run kvdaemon from"):
+        detach.start_detached(make_config(root))
     assert running_pid(DaemonPaths(root)) is None
 
 

@@ -62,7 +62,7 @@ def test_a_tenant_ignoring_urgent_asks_is_shown_and_logged(
     hog = row(h, "hog")
     assert (hog["reclaim_owed_bytes"], hog["unpaid_reclaims"]) == (0, 1)
     assert row(h, "honest")["unpaid_reclaims"] == 0
-    note = "gave nothing back for 1 urgent reclaim ask(s) (28.0 MiB held)"
+    note = "gave nothing back for 1 urgent reclaim ask(s) since it registered (28.0 MiB held now)"
     assert any(n.startswith(note) for n in status_view.tenant_notes(hog)), status_view.tenant_notes(hog)
     assert [r for r in caplog.records if "gave nothing back" in r.getMessage()]
 

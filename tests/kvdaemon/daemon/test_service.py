@@ -538,6 +538,16 @@ def test_silent_seconds_count_from_a_tenants_last_request_with_its_token(h: Harn
     assert h.ok("status")["tenants"][0]["silent_seconds"] == 2
 
 
+def test_status_shows_no_more_in_use_than_mapped(h: Harness) -> None:
+    """The used bytes come from the tenant's last heartbeat, which lags a shrink or a sleep."""
+    reg = h.register("a")
+    h.ok("grow", **h.auth("a", reg["token"], logical_pages=[0, 1]))
+    h.ok("heartbeat", **h.auth("a", reg["token"], used_bytes=3 * PAGE_BYTES))
+    assert h.ok("status")["tenants"][0]["used_bytes"] == 3 * PAGE_BYTES
+    h.ok("shrink", **h.auth("a", reg["token"], logical_pages=[1]))
+    assert h.ok("status")["tenants"][0]["used_bytes"] == 2 * PAGE_BYTES  # one logical page: 2 segments
+
+
 def test_status_says_what_the_device_itself_has_free(monkeypatch: pytest.MonkeyPatch) -> None:
     h = Harness()
     monkeypatch.setattr(h.backend, "mem_info", lambda: MemInfo(free_bytes=3 * PAGE_BYTES, total_bytes=1 << 40))
