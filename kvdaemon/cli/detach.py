@@ -19,7 +19,7 @@ from pathlib import Path
 from kvdaemon.cli.exit_codes import EXIT_USAGE
 from kvdaemon.cli.lifecycle import already_running, prepare_dir
 from kvdaemon.wire.paths import running_pid
-from kvdaemon.cli.logs import open_append
+from kvdaemon.cli.logs import log_file_error, open_append
 from kvdaemon.client import KVClient
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.errors import ConfigError, DaemonUnreachable, KVDaemonError, LifecycleError, from_code
@@ -53,7 +53,7 @@ def start_detached(config: DaemonConfig, timeout_s: float = 30.0) -> int:
     try:
         log_fd = open_append(log_file)
     except OSError as err:
-        raise ConfigError(f"cannot open log file {log_file}: {err.strerror}") from err
+        raise log_file_error(log_file, err) from err
     with os.fdopen(log_fd, "ab") as log_stream:
         try:
             child = subprocess.Popen(

@@ -14,6 +14,7 @@ never followed) and created 0600. It works with logrotate either way:
 
 from __future__ import annotations
 
+import errno
 import logging
 import logging.handlers
 import os
@@ -58,6 +59,16 @@ class PrivateLogFile(logging.handlers.WatchedFileHandler):
         super().emit(record)
 
 
+def log_file_error(log_file: Path, err: OSError) -> ConfigError:
+    """Why ``log_file`` cannot be opened, with the fix where the cause names one."""
+    hint = ""
+    if err.errno == errno.ENOENT:
+        hint = f"; create its directory {log_file.parent} first, or name another --log-file"
+    elif err.errno == errno.EACCES:
+        hint = "; this user may not write there: name another --log-file"
+    return ConfigError(f"cannot open log file {log_file}: {err.strerror}{hint}")
+
+
 @contextmanager
 def logging_to(log_file: Path | None, level: str) -> Iterator[None]:
     """Log the ``kvdaemon`` logger at ``level`` to stderr and, when given, to ``log_file``
@@ -73,7 +84,7 @@ def logging_to(log_file: Path | None, level: str) -> Iterator[None]:
         try:
             file_handler = PrivateLogFile(log_file, encoding="utf-8")
         except OSError as err:
-            raise ConfigError(f"cannot open log file {log_file}: {err.strerror}") from err
+            raise log_file_error(log_file, err) from err
         handlers.append(file_handler)
     if log_file is None or not _stderr_is(log_file):
         handlers.append(logging.StreamHandler(sys.stderr))

@@ -101,3 +101,11 @@ def test_planted_symlinks_are_not_followed(cli: Cli, tmp_path: Path) -> None:
     cli.started_pid()
     assert victim.read_text() == "precious\n"
     assert not partial.is_symlink()
+
+
+def test_a_log_file_in_a_missing_directory_names_the_fix(cli: Cli, tmp_path: Path) -> None:
+    log_file = tmp_path / "logs" / "kvd.log"
+    for done in (cli.start("--log-file", str(log_file)), cli.start("--foreground", "--log-file", str(log_file))):
+        assert done.returncode == 2
+        assert done.stderr.strip() == (f"error CONFIG: cannot open log file {log_file}: No such file or directory; "
+                                       f"create its directory {log_file.parent} first, or name another --log-file")
