@@ -310,10 +310,8 @@ class Service:
         if not candidates:
             raise BadRequest("field 'logical_pages' is empty")
         min_pages = args.int("min_pages", 1, len(candidates), default=len(candidates))
-        cap = max_grant_pages(tenant.spec.num_segments)
-        if min_pages > cap:  # the reply must fit in one handle frame
-            raise BadRequest(f"a grow may ask for at most {cap} logical pages at least, got {min_pages}")
-        candidates = candidates[:cap]  # no more are ever granted: a parked grow's retries stay O(cap)
+        # no more are ever granted (``Grants.num_grantable``): a parked grow's retries stay O(that)
+        candidates = candidates[:max_grant_pages(tenant.spec.num_segments)]
         wait_s = args.float("wait_s", 0.0, self.reclaimer.wait_s, default=self.reclaimer.wait_s)
         ahead = args.bool("ahead")  # speculative: no reclaim, no waiting, not short for it
         now = self.clock()

@@ -458,26 +458,28 @@ def test_a_request_refused_as_a_whole_is_answered_under_its_id(h: Harness) -> No
     assert (reply["id"], reply["ok"], reply["error"]["code"]) == (31, False, "BAD_REQUEST")
 
 
+def register_unattached(h: Harness, conn: bytes, name: str) -> dict[str, Any]:
+    """Register ``name`` on control connection ``conn`` a millisecond after the last; not attached."""
+    h.clock.advance(0.001)
+    args = {"name": name, "spec": small_spec().to_wire(), "num_virtual_pages": 8}
+    h._next_id += 1
+    reply = h.raw(request(h._next_id, "register", args), routing_id=conn)
+    assert reply["ok"], reply
+    return reply["result"]
+
+
 def test_registrations_never_attached_cannot_keep_a_new_tenant_out(
     h: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(service_module, "MAX_UNATTACHED_PER_CONN", 4)
     monkeypatch.setattr(service_module, "MAX_UNATTACHED", 6)
-    ids = iter(range(1000, 2000))
 
-    def register_on(conn: bytes, name: str) -> dict[str, Any]:
-        h.clock.advance(0.001)
-        args = {"name": name, "spec": small_spec().to_wire(), "num_virtual_pages": 8}
-        reply = h.raw(request(next(ids), "register", args), routing_id=conn)
-        assert reply["ok"], reply
-        return reply["result"]
-
-    honest = register_on(b"honest", "honest")  # registered; its attach follows
+    honest = register_unattached(h, b"honest", "honest")  # registered; its attach follows
     for i in range(10):  # one connection's flood drops its own oldest
-        register_on(b"flood", f"sq{i}")
+        register_unattached(h, b"flood", f"sq{i}")
     assert [t.name for t in h.service.tenants] == ["honest", "sq6", "sq7", "sq8", "sq9"]
     for i in range(10):  # a second connection: past 6 in all, the connection holding most loses its oldest
-        register_on(b"flood2", f"sr{i}")
+        register_unattached(h, b"flood2", f"sr{i}")
     names = [t.name for t in h.service.tenants]
     assert "honest" in names and len(names) == 6, names
     h.service.attach("honest", honest["token"], pid=1234)  # the honest tenant was never dropped
@@ -495,21 +497,13 @@ def test_a_flood_from_many_connections_drops_its_own_registrations(
     """Each flooding connection holds one registration waiting at a time, as an honest one does in
     the milliseconds before it attaches: the tie went to the oldest waiting, the honest one's."""
     monkeypatch.setattr(service_module, "MAX_UNATTACHED", 6)
-    ids = iter(range(1000, 9000))
-
-    def register_on(conn: bytes, name: str) -> dict[str, Any]:
-        h.clock.advance(0.001)
-        args = {"name": name, "spec": small_spec().to_wire(), "num_virtual_pages": 8}
-        reply = h.raw(request(next(ids), "register", args), routing_id=conn)
-        assert reply["ok"], reply
-        return reply["result"]
 
     for i in range(12):  # ten connections start a flood: the first two registrations are dropped
-        register_on(b"flood%d" % (i % 10), f"warm{i}")
+        register_unattached(h, b"flood%d" % (i % 10), f"warm{i}")
     for round_no in range(3):
-        honest = register_on(b"honest%d" % round_no, f"honest{round_no}")  # its attach follows ...
+        honest = register_unattached(h, b"honest%d" % round_no, f"honest{round_no}")  # its attach follows ...
         for i in range(20):  # ... after twenty more registrations of the flood
-            register_on(b"flood%d" % (i % 10), f"f{round_no}-{i}")
+            register_unattached(h, b"flood%d" % (i % 10), f"f{round_no}-{i}")
         assert f"honest{round_no}" in h.service.tenants, "the honest registration was dropped"
         h.service.attach(f"honest{round_no}", honest["token"], pid=1234)
     assert h.ok("status")["counters"]["never_attached"] == 72 - 5  # the flood's, but the 5 still waiting
