@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_PAGE_SIZE_BYTES = 2 * 1024 * 1024
+COPY_SLICE_BYTES = 64 << 20  # a step of a daemon's bulk copy on the host: ~8 ms at host memcpy speed
 
 
 class PhysicalPage(NamedTuple):
@@ -62,6 +63,7 @@ class Backend(Protocol):
     name: str
     device: int
     recycles_released_pages: bool  # True where fresh memory is faulted in on first touch (host)
+    copy_slice_bytes: int  # what one step of a sliced bulk copy moves: ~10 ms, as fast per byte as one copy
     page_size_bytes: int
     num_pages: int
 

@@ -42,7 +42,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvdaemon.cuda_vmm.address_book import AddressBook
-from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer
+from kvdaemon.cuda_vmm.backend import (
+    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer,
+)
 from kvdaemon.cuda_vmm.device_view import address_view
 from kvdaemon.errors import BackendError
 
@@ -115,6 +117,8 @@ class CudaBackend:
         self._bulk_lock = threading.Lock()  # one bulk copy at a time
         self.device_name = ""
         self.host_memory = False  # True on the fake driver: views are CPU tensors
+        # four staging chunks a slice: the two slots' pipeline runs within it
+        self.copy_slice_bytes = max(COPY_SLICE_BYTES, 4 * STAGING_PAGES * page_size_bytes)
 
     @property
     def granularity_bytes(self) -> int:

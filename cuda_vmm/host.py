@@ -39,7 +39,9 @@ import psutil
 
 from kvdaemon.cuda_vmm import host_copy
 from kvdaemon.cuda_vmm.address_book import AddressBook
-from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer
+from kvdaemon.cuda_vmm.backend import (
+    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer,
+)
 from kvdaemon.errors import BackendError
 
 if TYPE_CHECKING:
@@ -88,6 +90,7 @@ class HostBackend:
 
     name = "host"
     recycles_released_pages = True  # fresh memory is faulted in on first touch
+    copy_slice_bytes = COPY_SLICE_BYTES  # smaller slices copy on fewer threads (host_copy.MIN_BYTES_PER_THREAD)
 
     def __init__(
         self, num_pages: int = 0, page_size_bytes: int = DEFAULT_PAGE_SIZE_BYTES, device: int = 0

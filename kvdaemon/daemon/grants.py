@@ -61,26 +61,43 @@ class Grants:
             self.on_grant(time.perf_counter() - started, num_pages * tenant.spec.num_segments)
         return result
 
-    def grant(self, tenant: Tenant, wanted: list[int], now: float, overwrite: bool = False) -> dict[str, Any]:
+    def grant(self, tenant: Tenant, wanted: list[int], now: float) -> dict[str, Any]:
         """Take pages for ``wanted`` and queue their fds to the tenant; no limit checks.
+        Raises ``NoMemory`` (nothing taken) when the pool is short."""
+        return self.send(tenant, wanted, self.take(tenant, wanted, now))
 
-        ``overwrite``: the caller writes every byte of the pages before the
-        tenant reads them (a warm wake), so they need not read zero.
-        Raises ``NoMemory`` (nothing taken) when the pool is short.
+    def take(self, tenant: Tenant, wanted: list[int], now: float, overwrite: bool = False) -> list[PhysicalPage]:
+        """Pages for ``wanted``, the tenant's from now on, not yet sent (``send``); ``NoMemory``
+        (nothing taken) when the pool is short.
+
+        ``overwrite``: the caller writes every byte of the pages before they are
+        sent (a warm wake), so they need not read zero.
         """
         owners = [
             Owner(tenant.tenant_id, seg, lp) for lp in wanted for seg in range(tenant.spec.num_segments)
         ]
         pages = self.pages.alloc(owners, overwrite)
-        frames = self._export(pages)
-        grant_id = self._next_grant_id
-        self._next_grant_id += 1
-        page_ids = [p.page_id for p in pages]
         nseg = tenant.spec.num_segments
         for i, lp in enumerate(wanted):
             tenant.logical[lp] = pages[i * nseg : (i + 1) * nseg]
         tenant.touch(now)
+        return pages
+
+    def send(self, tenant: Tenant, wanted: list[int], pages: list[PhysicalPage]) -> dict[str, Any]:
+        """Queue the fds of ``pages`` (``take``'s for ``wanted``) to the tenant under a new
+        grant id. Failing to export them (``BackendError``, ``OSError``), they go back to the
+        pool, out of the tenant's pages, and the error is raised."""
+        try:
+            frames = self._export(pages)
+        except (BackendError, OSError):
+            for lp in wanted:
+                del tenant.logical[lp]
+            raise
         tenant.note_mapped()
+        grant_id = self._next_grant_id
+        self._next_grant_id += 1
+        page_ids = [p.page_id for p in pages]
+        nseg = tenant.spec.num_segments
         for start, fds, fd_index in frames:
             chunk = page_ids[start : start + len(fd_index)]
             self.leases.send_grant(tenant.tenant_id, grant_id, chunk, fds, fd_index)
@@ -182,7 +199,10 @@ class Grants:
         return frames
 
     def shrink(self, tenant: Tenant, wanted: list[int], now: float) -> dict[str, Any]:
-        """Take back ``wanted`` logical pages (unmapped by the tenant); all or nothing."""
+        """Take back ``wanted`` logical pages (unmapped by the tenant); all or nothing. Refused
+        (``Asleep``) while its pages are copied for a warm sleep or wake (``Tenant.copying``)."""
+        if tenant.copying:
+            raise Asleep(f"tenant {tenant.name!r} is {tenant.copying}: its pages stay until that ends")
         missing = [lp for lp in wanted if lp not in tenant.logical]
         if missing:
             raise BadRequest(f"logical pages {missing[:8]} are not mapped for {tenant.name!r}")

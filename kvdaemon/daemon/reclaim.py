@@ -83,7 +83,7 @@ from kvdaemon.wire.sizes import format_bytes
 from kvdaemon.wire.messages import FreeNotice, ReclaimNotice
 
 log = logging.getLogger("kvdaemon.reclaim")
-Attempt = Callable[[Tenant, float], dict[str, Any]]
+Attempt = Callable[[Tenant, float], "dict[str, Any] | None"]  # None: it answers the waiter itself
 ASK_AHEAD_S = 0.25  # at most one such ask per this interval
 REASK_S = 0.5  # a parked grow's victims are asked again this often (under a pool's OWED_S)
 MAX_PARKED_PER_TENANT = 8  # grows and wakes of one tenant waiting at once (a pool has one grow in flight)
@@ -253,7 +253,8 @@ class Reclaimer:
         except KVDaemonError as exc:
             parked.waiter.fail(exc)
             return True
-        parked.waiter.ok(result)
+        if result is not None:  # None: a wake whose copy back runs answers the waiter itself
+            parked.waiter.ok(result)
         return True
 
     def _escalate(self, parked: ParkedGrow, tenant: Tenant, now: float) -> None:

@@ -2,7 +2,9 @@
 
 One thread runs everything that changes state: it polls the ZeroMQ ROUTER
 (control), the handle channel (``LeaseTable``: listener and connections) and a
-wake-up pipe that ``stop()`` writes to. No client can stall the loop: replies
+wake-up pipe that ``stop()`` writes to, and between polls moves a slice of each
+warm sleep's or wake's copy (``kvdaemon.daemon.copies``; the poll does not wait
+while one runs). No client can stall the loop: replies
 that cannot go out are dropped, handle frames are buffered. One round of the
 loop serves at most ``CONTROL_BATCH`` requests (or ``CONTROL_BUDGET_S``) before
 it turns to the handle channel, and a request is unpacked within
@@ -144,8 +146,9 @@ class Daemon:
         """Run until ``stop()`` or a ``shutdown`` op, then release everything."""
         assert self.service is not None, "start() first"
         try:
+            copies = self.service.sleeper.copies
             while not self._stopping and not self.service.shutdown_requested:
-                events = dict(self._poller.poll(POLL_MS))
+                events = dict(self._poller.poll(0 if copies.busy else POLL_MS))
                 if events.get(self._router):
                     self._drain_control()
                 if events.get(self._listener_fd):
@@ -154,6 +157,9 @@ class Daemon:
                 if events.get(self._wake_r):
                     os.read(self._wake_r, 64)
                 self.leases.close_dead()
+                if copies.busy:  # a slice of each warm copy under way, then back to the sockets
+                    with self.service.lock:
+                        self.service.step_copies()
                 if time.monotonic() >= self._next_tick:
                     self._next_tick = time.monotonic() + POLL_MS / 1000
                     self._tick()

@@ -381,9 +381,11 @@ class Service:
         done = self.sleeper.begin(tenant, mode, waiter, self.clock(), by_owner=by_owner, why=why)
         return waiter if done is None else done
 
-    def op_sleep_ready(self, args: Args, _call: Call) -> dict[str, Any]:
+    def op_sleep_ready(self, args: Args, call: Call) -> dict[str, Any] | PendingReply:
         tenant = self._authenticated(args)
-        return self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"), self.clock())
+        answer = call.defer()  # answered when a sliced warm copy ends
+        done = self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"), self.clock(), answer)
+        return answer if done is None else done
 
     def op_wake(self, args: Args, call: Call) -> dict[str, Any] | PendingReply:
         """Wake a tenant; a warm one whose pages are not free waits for other tenants to give
@@ -391,15 +393,22 @@ class Service:
         by_owner = args.has("token")
         why = "woken by the tenant itself (auto-wake or its own call)" if by_owner else "woken by an admin"
         tenant, now = self._by_name(args), self.clock()
+        waiter = call.defer()  # answered when a sliced copy back ends, or when pages come back
         try:
-            return self.sleeper.wake(tenant, now, why)
+            done = self.sleeper.wake(tenant, now, why, waiter)
         except NoMemory:
-            waiter = call.defer()
             need = self.sleeper.wake_pages(tenant)
             if self.reclaimer.park(tenant, [], need, waiter, self.reclaimer.wait_s, now,
-                                   attempt=lambda woken, at: self.sleeper.wake(woken, at, why)):  # fmt: skip
+                                   attempt=lambda woken, at: self.sleeper.wake(woken, at, why, waiter)):  # fmt: skip
                 return waiter
             raise
+        return waiter if done is None else done
+
+    def step_copies(self) -> None:
+        """Advance the warm copies under way (``kvdaemon.daemon.copies``); pages a sleep freed
+        serve parked grows at once."""
+        if self.sleeper.copies.step() and self.reclaimer.parked:
+            self.reclaimer.retry(self.clock())
 
     def op_shutdown(self, _args: Args, _call: Call) -> dict[str, Any]:
         """Exit after this reply; it names the warm sleepers whose KV (host memory) dies

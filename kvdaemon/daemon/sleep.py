@@ -29,23 +29,34 @@ tenant wakes with no pages. Its virtual addresses never changed, so block
 tables stay valid (warm). Waking an awake tenant, or sleeping a sleeper again,
 answers with its state (``already``); ``cold`` converts a warm sleeper.
 
+A copy of more than one slice (the backend's ``copy_slice_bytes``) runs a slice at a time
+between the loop's other work (``kvdaemon.daemon.copies``); its callers are
+answered when it ends. Meanwhile the tenant's pages stay put (no shrink), a
+wake of a tenant being saved cancels the sleep (the copy stops, nothing was
+freed; its ``sleep_ready`` is answered ``CONFLICT`` and it maps its pages
+back), a second wake joins the first, a sleep of a waking tenant is refused,
+and a tenant removed mid-copy has its copy stopped before its pages go. The
+grant of a warm wake goes to the tenant only once its bytes are in.
+
 Cost: one host copy of every page each way (warm); O(pages) otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from kvdaemon.cuda_vmm.backend import Backend
+from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.daemon import swap
+from kvdaemon.daemon.copies import Copies, Steps, run_through
 from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reply import PendingReply
-from kvdaemon.daemon.tenant import PendingSleep, Tenant, Tenants, TenantState
+from kvdaemon.daemon.tenant import PendingSleep, PendingWake, Tenant, Tenants, TenantState
 from kvdaemon.errors import BackendError, Conflict, KVDaemonError, NoMemory
 from kvdaemon.wire.messages import SleepCancelledNotice, SleepNotice, WakeNotice
 from kvdaemon.wire.sizes import format_bytes
@@ -53,6 +64,7 @@ from kvdaemon.wire.sizes import format_bytes
 log = logging.getLogger("kvdaemon.sleep")
 MAX_CACHED_BUFFER_BYTES = 2 << 30  # host memory kept for the next warm sleep, at most
 IDLE_KEEP_S = 30.0  # a warm sleeper's freed pages stay backed this long (host backend)
+MAX_ANSWERS = 4  # replies parked on one copy's end per tenant (a retried sleep_ready, a second wake)
 
 
 class Sleeper:
@@ -64,6 +76,8 @@ class Sleeper:
     ) -> None:
         self.tenants = tenants
         self.grants = grants
+        self.clock = clock
+        self.copies = Copies()
         self.backend = backend
         self.leases = leases
         self.timeout_s = timeout_s
@@ -89,6 +103,8 @@ class Sleeper:
         sleeper's copy. ``waiter`` is ``None`` for the daemon's own sleeps;
         ``why`` says who asked, for the log; ``victim``: reclaim asked it (counted once done).
         """
+        if tenant.waking is not None:
+            raise Conflict(f"tenant {tenant.name!r} is {tenant.copying}: put it to sleep once it is awake")
         if tenant.state is not TenantState.ACTIVE:
             return self._sleep_again(tenant, mode, why)
         if tenant.pending_sleep is not None:
@@ -143,29 +159,57 @@ class Sleeper:
             return self._result(tenant, 0)
         return {**self._result(tenant, 0), "already": True}
 
-    def finish(self, tenant: Tenant, sleep_id: int, refused: bool, now: float) -> dict[str, Any]:
-        """The tenant's answer to sleep ``sleep_id``: the daemon's decision (module docstring)."""
+    def finish(
+        self, tenant: Tenant, sleep_id: int, refused: bool, now: float, answer: PendingReply | None = None,
+    ) -> dict[str, Any] | None:
+        """The tenant's answer to sleep ``sleep_id``: the daemon's decision (module docstring).
+        ``None`` while a sliced warm copy runs: ``answer`` (the tenant's reply) is answered at its
+        end, as are retried ``sleep_ready``s meanwhile (at most ``MAX_ANSWERS``)."""
         if tenant.last_sleep is not None and tenant.last_sleep[0] == sleep_id:
             return tenant.last_sleep[1]  # a retried sleep_ready: the same answer
         pending = tenant.pending_sleep
         if pending is None or pending.sleep_id != sleep_id:
             raise Conflict(f"sleep {sleep_id} of {tenant.name!r} was cancelled or never asked")
-        tenant.pending_sleep = None
+        if pending.saving is not None:  # a retried sleep_ready while the copy runs
+            _park(pending.answers, answer, f"tenant {tenant.name!r} is {tenant.copying}")
+            return None
         if refused:
-            log.warning("tenant %s refused to sleep (%s): its engine has no quiesce hook",
-                        tenant.name, pending.why)  # fmt: skip
-            tenant.sleepable = False
-            error = Conflict(
-                f"tenant {tenant.name!r} cannot be put to sleep: its engine has no quiesce hook "
-                "(a pool may still sleep itself)"
-            )
-            if pending.waiter is not None:
-                pending.waiter.fail(error)
-            return {"state": tenant.state.value, "refused": True}
-        keep_until = None
-        if pending.mode == "warm":
-            tenant.warm = self._save(tenant, pending)
-            keep_until = now + IDLE_KEEP_S
+            tenant.pending_sleep = None
+            return self._refused(tenant, pending)
+        if pending.mode == "cold":
+            tenant.pending_sleep = None
+            return self._slept(tenant, pending, None, now)
+        steps = self._save(tenant)
+        if tenant.mapped_bytes <= self.backend.copy_slice_bytes or answer is None:
+            try:
+                copy = run_through(steps)
+            except (BackendError, OSError) as exc:
+                raise self._save_failed(tenant, pending, exc) from exc
+            return self._slept(tenant, pending, copy, now)
+        pending.answers.append(answer)
+        pending.saving = self.copies.start(
+            steps, lambda copy: self._slept(tenant, pending, copy, self.clock()),
+            lambda exc: self._save_failed(tenant, pending, exc),
+        )
+        return None
+
+    def _refused(self, tenant: Tenant, pending: PendingSleep) -> dict[str, Any]:
+        log.warning("tenant %s refused to sleep (%s): its engine has no quiesce hook",
+                    tenant.name, pending.why)  # fmt: skip
+        tenant.sleepable = False
+        error = Conflict(
+            f"tenant {tenant.name!r} cannot be put to sleep: its engine has no quiesce hook "
+            "(a pool may still sleep itself)"
+        )
+        if pending.waiter is not None:
+            pending.waiter.fail(error)
+        return {"state": tenant.state.value, "refused": True}
+
+    def _slept(self, tenant: Tenant, pending: PendingSleep, copy: swap.WarmCopy | None, now: float) -> dict[str, Any]:
+        """Free a quiesced tenant's pages (its bytes in ``copy`` when warm) and answer everyone."""
+        tenant.pending_sleep = None
+        tenant.warm = copy
+        keep_until = None if copy is None else now + IDLE_KEEP_S
         num_pages = self.grants.release_all(tenant, keep_until)
         tenant.state = TenantState.sleeping(pending.mode)
         self.tenants.changed()
@@ -173,9 +217,9 @@ class Sleeper:
         self.num_sleeps += 1
         self.num_victims_slept += pending.victim
         result = self._result(tenant, num_pages)
-        tenant.last_sleep = (sleep_id, result)
-        if pending.waiter is not None:
-            pending.waiter.ok(result)
+        tenant.last_sleep = (pending.sleep_id, result)
+        for reply in _replies(pending.waiter, pending.answers):
+            reply.ok(result)
         kept = ""
         if tenant.warm is not None and num_pages:
             kept = f", {format_bytes(tenant.warm.host_bytes)} kept in host memory"
@@ -184,28 +228,35 @@ class Sleeper:
                  kept)  # fmt: skip
         return result
 
-    def _save(self, tenant: Tenant, pending: PendingSleep) -> swap.WarmCopy:
-        """Copy a quiesced tenant's pages to host memory. Failing (no host memory, a failed
-        copy): the caller is told, and so is the tenant, which maps its pages back."""
-        try:  # its own reservation ended with its pending sleep: the others' is what is held
-            largest = None if self.max_host_bytes is None else self.max_host_bytes - self.host_bytes_held()
-            return swap.save(self.backend, tenant.logical, tenant.spec.num_segments, self.buffers, largest)
-        except (BackendError, OSError) as exc:
-            error = BackendError(f"tenant {tenant.name!r} stays active: its KV could not be copied to host "
-                                 f"memory for a warm sleep ({exc}); nothing was released")
-            log.error("%s", error.message)
-            if pending.waiter is not None:
-                pending.waiter.fail(error)
-            raise error from exc
+    def _save(self, tenant: Tenant) -> Steps:
+        """The steps of a copy of a quiesced tenant's pages to host memory."""
+        # its own reservation ends with its pending sleep: the others' is what is held
+        largest = None if self.max_host_bytes is None else self.max_host_bytes - self.host_bytes_held()
+        return swap.save(self.backend, tenant.logical, tenant.spec.num_segments, self.buffers, largest)
+
+    def _save_failed(self, tenant: Tenant, pending: PendingSleep, exc: Exception) -> BackendError:
+        """A warm copy failed (no host memory, a failed copy): nothing is released; the callers
+        are told, and so is the tenant, which maps its pages back. Returns the error."""
+        tenant.pending_sleep = None
+        error = BackendError(f"tenant {tenant.name!r} stays active: its KV could not be copied to host "
+                             f"memory for a warm sleep ({exc}); nothing was released")
+        log.error("%s", error.message)
+        for reply in _replies(pending.waiter, pending.answers):
+            reply.fail(error)
+        return error
 
     def _result(self, tenant: Tenant, num_released: int) -> dict[str, Any]:
         host = 0 if tenant.warm is None else tenant.warm.host_bytes
         return {"state": tenant.state.value, "num_released": num_released, "host_bytes": host}
 
-    def wake(self, tenant: Tenant, now: float, why: str = "woken by an admin") -> dict[str, Any]:
+    def wake(
+        self, tenant: Tenant, now: float, why: str = "woken by an admin", waiter: PendingReply | None = None,
+    ) -> dict[str, Any] | None:
         """Give a sleeping tenant pages again (bytes restored when warm) and tell it; ``why``
         says who asked, for the log. An active tenant's pending sleep is cancelled (the later
-        word wins; ``cancelled_sleep`` in the result); one with none: ``already``."""
+        word wins; ``cancelled_sleep`` in the result); one with none: ``already``. ``None``
+        while a sliced copy back runs: ``waiter`` is answered at its end (a wake meanwhile
+        joins it). ``NoMemory`` (nothing taken) when the pool is short."""
         mode = tenant.state.mode
         if mode is None:
             pending = tenant.pending_sleep
@@ -213,21 +264,69 @@ class Sleeper:
                 return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes, "already": True}
             self._cancel(tenant, pending, f"{why} before it slept")  # the later word: nothing was freed
             return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes, "cancelled_sleep": True}
+        if tenant.waking is not None:
+            _park(tenant.waking.waiters, waiter, f"tenant {tenant.name!r} is {tenant.copying}")
+            return None
+        warm = tenant.warm
+        if warm is None:
+            return self._woken(tenant, mode, [], why)
+        pages = self.grants.take(tenant, warm.logical_pages, now, overwrite=True)
+        steps = swap.restore(self.backend, warm, tenant.logical)
+        if tenant.mapped_bytes <= self.backend.copy_slice_bytes or waiter is None:
+            try:
+                run_through(steps)
+            except (BackendError, OSError) as exc:
+                raise self._restore_failed(tenant, [], exc) from exc
+            return self._woken(tenant, mode, pages, why)
+        waiters = [waiter]
+        job = self.copies.start(
+            steps, lambda _: self._wake_done(tenant, mode, pages, why),
+            lambda exc: self._restore_failed(tenant, waiters, exc),
+        )
+        tenant.waking = PendingWake(job, waiters, why)
+        return None
+
+    def _wake_done(self, tenant: Tenant, mode: str, pages: list[PhysicalPage], why: str) -> None:
+        """The end of a sliced copy back: ``_woken``, whose failure has told the waiters."""
+        with contextlib.suppress(BackendError):
+            self._woken(tenant, mode, pages, why)
+
+    def _woken(self, tenant: Tenant, mode: str, pages: list[PhysicalPage], why: str) -> dict[str, Any]:
+        """Send the pages (their bytes in), make the tenant active, tell it, answer the waiters."""
+        waking, tenant.waking = tenant.waking, None
+        waiters = [] if waking is None else waking.waiters
         grant: dict[str, Any] = {"grant_id": 0, "pages": []}
         if tenant.warm is not None:
-            grant = self.grants.grant(tenant, tenant.warm.logical_pages, now, overwrite=True)
-            swap.restore(self.backend, tenant.warm, tenant.logical)
+            try:
+                grant = self.grants.send(tenant, tenant.warm.logical_pages, pages)
+            except (BackendError, OSError) as exc:
+                raise self._restore_failed(tenant, waiters, exc) from exc
             self._drop_warm(tenant)
         tenant.state = TenantState.ACTIVE
         self.tenants.changed()
-        tenant.touch(now)
+        tenant.touch(self.clock())
         self.num_wakes += 1
         lps = [lp for lp, _ in grant["pages"]]
         for notice in WakeNotice.parts(mode, grant["grant_id"], lps):
             notify(self.leases, tenant.tenant_id, notice)
         log.info("tenant %s is active (%s; was sleeping-%s): %s restored", tenant.name, why, mode,
                  format_bytes(tenant.mapped_bytes))  # fmt: skip
-        return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes}
+        result = {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes}
+        for reply in waiters:
+            reply.ok(result)
+        return result
+
+    def _restore_failed(self, tenant: Tenant, waiters: list[PendingReply], exc: Exception) -> BackendError:
+        """A copy back (or its grant) failed: the pages taken go back, the tenant sleeps on
+        warm with its host copy, the waiters are told. Returns the error."""
+        tenant.waking = None
+        self.grants.release_all(tenant)  # a sleeper holds only what its wake took
+        error = BackendError(f"tenant {tenant.name!r} stays asleep (warm, its KV kept in host memory): "
+                             f"its KV could not be copied back ({exc})")
+        log.error("%s", error.message)
+        for reply in waiters:
+            reply.fail(error)
+        return error
 
     def wake_pages(self, tenant: Tenant) -> int:
         """Logical pages a wake of ``tenant`` maps (its warm copy's; 0 for a cold sleeper)."""
@@ -237,8 +336,8 @@ class Sleeper:
         """Cancel sleeps whose tenant did not quiesce in time; nothing was freed."""
         for tenant in self.tenants:
             pending = tenant.pending_sleep
-            if pending is None or now < pending.deadline:
-                continue
+            if pending is None or pending.saving is not None or now < pending.deadline:
+                continue  # none, or the tenant quiesced in time: its copy runs
             self._cancel(tenant, pending, f"did not quiesce within {self.timeout_s:g} s")
 
     def _cancel(self, tenant: Tenant, pending: PendingSleep, why: str) -> None:
@@ -246,9 +345,11 @@ class Sleeper:
         (``CONFLICT``), the tenant too; a ``sleep_ready`` on its way is refused (``finish``),
         and the tenant maps its pages back."""
         tenant.pending_sleep = None
+        if pending.saving is not None:
+            pending.saving.cancel()  # its buffer goes back; the tenant's sleep_ready is answered below
         log.warning("tenant %s: its sleep (%s) is cancelled, nothing freed: %s", tenant.name, pending.why, why)
-        if pending.waiter is not None:
-            pending.waiter.fail(Conflict(f"tenant {tenant.name!r}: sleep cancelled, {why}"))
+        for reply in _replies(pending.waiter, pending.answers):
+            reply.fail(Conflict(f"tenant {tenant.name!r}: sleep cancelled, {why}"))
         notify(self.leases, tenant.tenant_id, SleepCancelledNotice(pending.sleep_id))
 
     def sleep_idle(self, now: float, idle_s: float, mode: str) -> None:
@@ -267,12 +368,33 @@ class Sleeper:
     def forget(self, tenant: Tenant, why: KVDaemonError | None = None) -> None:
         """Drop what a removed tenant kept: its warm copy and any parked caller, told ``why``
         (default: the tenant went away)."""
-        self._drop_warm(tenant)
         pending, tenant.pending_sleep = tenant.pending_sleep, None
-        if pending is not None and pending.waiter is not None:
-            pending.waiter.fail(why or Conflict(f"tenant {tenant.name!r} went away while going to sleep"))
+        waking, tenant.waking = tenant.waking, None
+        for job in (None if pending is None else pending.saving, None if waking is None else waking.job):
+            if job is not None:
+                job.cancel()  # before its pages go (the caller frees them next)
+        self._drop_warm(tenant)
+        if pending is not None:
+            for reply in _replies(pending.waiter, pending.answers):
+                reply.fail(why or Conflict(f"tenant {tenant.name!r} went away while going to sleep"))
+        for reply in [] if waking is None else waking.waiters:
+            reply.fail(why or Conflict(f"tenant {tenant.name!r} went away while waking"))
 
     def _drop_warm(self, tenant: Tenant) -> None:
         if tenant.warm is not None:
             tenant.warm.discard()
             tenant.warm = None
+
+
+def _replies(waiter: PendingReply | None, answers: list[PendingReply]) -> list[PendingReply]:
+    """The caller's reply (if any) and the tenant's own parked ones."""
+    return answers if waiter is None else [waiter, *answers]
+
+
+def _park(replies: list[PendingReply], reply: PendingReply | None, busy: str) -> None:
+    """Park ``reply`` on a copy's end, at most ``MAX_ANSWERS`` of them: past that ``Conflict``."""
+    if reply is None:
+        return
+    if len(replies) >= MAX_ANSWERS:
+        raise Conflict(f"{busy}; {MAX_ANSWERS} calls already wait for it: ask again when it is done")
+    replies.append(reply)

@@ -14,6 +14,11 @@ in bulk, on several threads) and kept for the next sleep of the same size
 cost more than the copy. (Transparent huge pages are not asked for: a fresh
 huge page can cost far more to fault in than the 512 small ones it replaces.)
 
+``save``, ``restore`` and ``BufferCache.take_steps`` are generators that do one
+slice of the backend's ``copy_slice_bytes`` per step (``kvdaemon.daemon.copies``): the daemon's
+loop serves other tenants between slices. Closed early, a save gives its
+buffer back and saves nothing.
+
 Cost: one bulk copy each way; host memory equal to the tenant's mapped bytes
 while it sleeps, plus at most the cache's bound after.
 """
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import mmap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import psutil
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 
 from kvdaemon.cuda_vmm import host_copy
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
+from kvdaemon.daemon.copies import run_through
 from kvdaemon.errors import BackendError
 
 
@@ -73,19 +79,29 @@ class BufferCache:
         return sum(len(b) for b, _ in self._buffers)
 
     def take(self, size: int, largest: int | None = None) -> mmap.mmap:
+        """``take_steps`` at once."""
+        return run_through(self.take_steps(size, largest))
+
+    def take_steps(self, size: int, largest: int | None = None) -> Generator[None, None, mmap.mmap]:
         """A buffer of at least ``size`` bytes, backed: a kept one at most ``MAX_SLACK`` times
-        ``size`` (and at most ``largest``), else a new one of ``size``."""
+        ``size`` (and at most ``largest``), else a new one of ``size``, backed a slice per step."""
         most = self.MAX_SLACK * size if largest is None else min(self.MAX_SLACK * size, largest)
         fits = [(len(b), i) for i, (b, _) in enumerate(self._buffers) if size <= len(b) <= most]
         if fits:
             return self._buffers.pop(min(fits)[1])[0]
         buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        view = memoryview(buffer)
         try:
-            host_copy.populate(host_copy.address_of(view), size)  # backed now, in bulk
-            self.backend.pin_host(view)  # page-locked on CUDA: DMA straight in
-        finally:
-            view.release()
+            with memoryview(buffer) as view:
+                address = host_copy.address_of(view)
+            step_bytes = self.backend.copy_slice_bytes
+            for start in range(0, size, step_bytes):
+                host_copy.populate(address + start, min(step_bytes, size - start))  # backed now, in bulk
+                yield
+            with memoryview(buffer) as view:
+                self.backend.pin_host(view)  # page-locked on CUDA: DMA straight in
+        except BaseException:  # closed early too: the memory goes back to the OS
+            buffer.close()
+            raise
         return buffer
 
     def give(self, buffer: mmap.mmap) -> None:
@@ -142,25 +158,45 @@ class WarmCopy:
 def save(
     backend: Backend, logical: dict[int, list[PhysicalPage]], num_segments: int, cache: BufferCache,
     largest: int | None = None,
-) -> WarmCopy:
+) -> Generator[None, None, WarmCopy]:
     """Copy the pages of ``logical`` (``{lp: [page per segment]}``) into host memory, in a
-    buffer of at most ``largest`` bytes where a kept one is reused (``BufferCache.take``)."""
+    buffer of at most ``largest`` bytes where a kept one is reused (``BufferCache.take_steps``),
+    a slice per step. Closed early or failing, the buffer goes back and nothing is saved."""
     page_bytes = backend.page_size_bytes
     order = sorted(logical)
     pages = [page for lp in order for page in logical[lp]]
     num_bytes = len(pages) * page_bytes
-    buffer = cache.take(max(mmap.PAGESIZE, num_bytes), largest)
+    buffer = yield from cache.take_steps(max(mmap.PAGESIZE, num_bytes), largest)
+    saved = False
     try:
-        with memoryview(buffer) as view:
-            backend.copy_out_pages(pages, view[:num_bytes])
-    except (BackendError, OSError):
-        cache.give(buffer)  # nothing saved: the buffer goes back for the next sleep
-        raise
+        yield from _copy_slices(backend.copy_out_pages, pages, buffer, page_bytes, backend.copy_slice_bytes)
+        saved = True
+    finally:
+        if not saved:
+            cache.give(buffer)  # nothing saved: the buffer goes back for the next sleep
     return WarmCopy(order, num_segments, buffer, cache, num_bytes)
 
 
-def restore(backend: Backend, copy: WarmCopy, logical: dict[int, list[PhysicalPage]]) -> None:
-    """Copy saved bytes into the fresh pages of ``logical`` (same logical pages as saved)."""
+def restore(
+    backend: Backend, copy: WarmCopy, logical: dict[int, list[PhysicalPage]]
+) -> Generator[None, None, None]:
+    """Copy saved bytes into the fresh pages of ``logical`` (same logical pages as saved),
+    a slice per step."""
     pages = [page for lp in copy.logical_pages for page in logical[lp]]
-    with memoryview(copy.buffer) as view:
-        backend.copy_in_pages(pages, view[: len(pages) * backend.page_size_bytes])
+    yield from _copy_slices(
+        backend.copy_in_pages, pages, copy.buffer, backend.page_size_bytes, backend.copy_slice_bytes
+    )
+
+
+def _copy_slices(
+    copy_pages: Callable[[list[PhysicalPage], memoryview], None], pages: list[PhysicalPage],
+    buffer: mmap.mmap, page_bytes: int, slice_bytes: int,
+) -> Generator[None, None, None]:
+    """``copy_pages`` of page i at ``buffer[i * page_bytes:]``, ``slice_bytes`` a step."""
+    per_slice = max(1, slice_bytes // page_bytes)
+    for start in range(0, len(pages), per_slice):
+        chunk = pages[start : start + per_slice]
+        with memoryview(buffer) as view:
+            copy_pages(chunk, view[start * page_bytes : (start + len(chunk)) * page_bytes])
+        if start + per_slice < len(pages):
+            yield

@@ -8,7 +8,9 @@ every one of its ``num_segments`` segments, so holding it means holding
 States (``TenantState``): ``active`` (may hold pages and grow),
 ``sleeping-warm`` (no pages; its bytes kept in host memory), ``sleeping-cold``
 (no pages, nothing kept). A sleep asked but not yet quiesced is
-``pending_sleep`` on an active tenant.
+``pending_sleep`` on an active tenant (``saving`` once it quiesced and its
+warm copy runs); a warm wake whose copy runs is ``waking`` on a sleeper, which
+then holds the pages the copy fills, not yet sent to it.
 
 Nothing here reads a clock: times are passed in by the service, so tests drive
 them. Mutated only by the service loop.
@@ -33,6 +35,7 @@ from kvdaemon.daemon.policies import Limits, OwnLimits
 from kvdaemon.daemon.reclaim_debt import ReclaimDebt
 
 if TYPE_CHECKING:
+    from kvdaemon.daemon.copies import CopyJob
     from kvdaemon.daemon.reply import PendingReply
     from kvdaemon.daemon.swap import WarmCopy
 
@@ -112,6 +115,17 @@ class PendingSleep:
     deadline: float
     why: str = "asked by an admin"  # who asked, for the log
     victim: bool = False  # asked by reclaim for another tenant's grow (``victims_slept`` once done)
+    saving: CopyJob | None = None  # the tenant quiesced: its warm copy runs
+    answers: list[PendingReply] = field(default_factory=list)  # its sleep_ready(s), answered at the end
+
+
+@dataclass
+class PendingWake:
+    """A warm wake whose copy back runs: the callers are answered when it ends."""
+
+    job: CopyJob  # fills the pages the wake took (``logical``), sent when it ends
+    waiters: list[PendingReply]
+    why: str  # who asked, for the log
 
 
 @dataclass(eq=False)  # compared by identity: a field-by-field == would cost O(fields) per test
@@ -137,6 +151,7 @@ class Tenant:
     leased: bool = False
     warm: WarmCopy | None = None  # the page bytes of a warm sleeper
     pending_sleep: PendingSleep | None = None  # asked to sleep, not yet quiesced
+    waking: PendingWake | None = None  # a warm wake's copy back runs
     last_sleep: tuple[int, dict[str, Any]] | None = None  # (sleep_id, result): replayed on retry
     registered_wall: float = field(default_factory=time.time)
     last_active: float = 0.0
@@ -166,6 +181,15 @@ class Tenant:
     def logical_page_bytes(self) -> int:
         """Bytes one logical page costs: one physical page per segment."""
         return self.spec.num_segments * self.page_size_bytes
+
+    @property
+    def copying(self) -> str:
+        """What copy of its pages runs, in words ("" when none): its pages stay put meanwhile."""
+        if self.waking is not None:
+            return "waking (its KV being copied back)"
+        if self.pending_sleep is not None and self.pending_sleep.saving is not None:
+            return "going to sleep (its KV being copied to host memory)"
+        return ""
 
     @property
     def mapped_bytes(self) -> int:

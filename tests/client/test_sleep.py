@@ -55,7 +55,17 @@ def wait_awake(pool: KVPool) -> None:
     assert pool.wait_state(lambda state: state is PoolState.ACTIVE, 5), "the pool did not wake"
 
 
-def test_warm_sleep_keeps_every_byte_at_the_same_addresses(kvd: RunningDaemon) -> None:
+@pytest.mark.parametrize("sliced", [False, True], ids=["one-copy", "sliced"])
+def test_warm_sleep_keeps_every_byte_at_the_same_addresses(
+    kvd: RunningDaemon, sliced: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = kvd.daemon.service
+    assert service is not None
+    started = []
+    real_start = service.sleeper.copies.start
+    monkeypatch.setattr(service.sleeper.copies, "start", lambda *a: started.append(1) or real_start(*a))
+    if sliced:  # each copy a page at a time, between the daemon loop's other work
+        monkeypatch.setattr(service.backend, "copy_slice_bytes", PAGE_BYTES)
     client = kvd.client()
     pool = client.register("a", SPEC, num_prefetch_pages=0)
     blocks = pool.alloc(2 * BLOCKS_PER_PAGE + 5)  # three logical pages
@@ -80,6 +90,7 @@ def test_warm_sleep_keeps_every_byte_at_the_same_addresses(kvd: RunningDaemon) -
     for before, after in zip(written, read(pool, blocks)):
         assert torch.equal(before, after)
     assert row(client)["mapped_bytes"] == mapped and row(client)["host_bytes"] == 0
+    assert len(started) == (2 if sliced else 0)  # the sleep's copy and the wake's ran sliced, or in one go
     fresh = pool.alloc(4)
     assert not set(fresh) & set(blocks[1:]), "a live block was handed out again"
     kvd.check_invariants()

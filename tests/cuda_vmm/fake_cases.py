@@ -316,6 +316,42 @@ def backend_bulk_copies_round_trip_in_chunks_through_pinned_buffers() -> None:
 
 
 @case
+def backend_sliced_swap_round_trips_with_other_work_between_slices() -> None:
+    """A daemon's warm copy a page per step (``swap.save``/``restore``), the loop's other
+    work between steps (pages made, zeroed and written through the staging slot)."""
+    from kvdaemon.daemon import swap
+    from kvdaemon.daemon.copies import run_through
+
+    backend = started(num_pages=64)
+    backend.copy_slice_bytes = PAGE
+    pages = [backend.create_page(i) for i in range(4)]
+    for i, page in enumerate(pages):
+        backend.copy_in(page, memoryview(bytearray([i + 1]) * PAGE))
+    logical = {lp: [pages[2 * lp], pages[2 * lp + 1]] for lp in range(2)}
+    cache = swap.BufferCache(1 << 30, backend)
+    steps, num_steps = swap.save(backend, logical, 2, cache), 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            copy = done.value
+            break
+        num_steps += 1
+        other = backend.create_page(20 + num_steps)  # the loop's work between two slices
+        backend.copy_in(other, memoryview(bytearray(b"\xee") * PAGE))
+    assert num_steps >= 4, "a page per step: the buffer backed, then the copy"
+    fresh = {lp: [backend.create_page(10 + 2 * lp), backend.create_page(11 + 2 * lp)] for lp in range(2)}
+    run_through(swap.restore(backend, copy, fresh))
+    out = bytearray(PAGE)
+    for i, page in enumerate(page for lp in (0, 1) for page in fresh[lp]):
+        backend.copy_out(page, memoryview(out))
+        assert out == bytes([i + 1]) * PAGE, f"page {i} came back wrong"
+    copy.discard()
+    cache.clear()
+    backend.close()
+
+
+@case
 def backend_page_copies_round_trip_through_pinned_buffers() -> None:
     backend = started()
     addr = backend.reserve(PAGE)

@@ -406,7 +406,7 @@ def test_a_warm_sleep_that_cannot_copy_to_host_memory_fails_and_frees_nothing(
     def no_memory(*_args: object) -> None:
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(sleep_module.swap, "save", no_memory)
+    monkeypatch.setattr(h.backend, "copy_out_pages", no_memory)
     assert h.error("sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id)) == "BACKEND_ERROR"
     failed = deferred(h)["error"]  # the admin's sleep is answered too, with why
     assert failed["code"] == "BACKEND_ERROR" and "stays active" in failed["message"]

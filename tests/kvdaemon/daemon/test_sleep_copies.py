@@ -1,0 +1,220 @@
+"""A warm sleep or wake bigger than one slice copies between the loop's other work: its
+callers are answered at its end, the tenant's pages stay put meanwhile, and a wake,
+a removal or a failure mid-copy ends in one state both sides agree on."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvdaemon.wire.protocol import decode, request
+
+from tests.kvdaemon.daemon.test_service import NUM_PAGES, PAGE_BYTES, Harness, start_sleep
+
+NUM_LOGICAL = 3  # logical pages the sleeper holds: six physical pages, six slices
+
+
+@pytest.fixture
+def h() -> Iterator[Harness]:
+    harness = Harness()
+    harness.backend.copy_slice_bytes = PAGE_BYTES  # a copy of n pages takes n steps
+    harness.service.sleeper.copies.budget_s = 0.0  # one slice per step
+    yield harness
+    harness.backend.close()
+
+
+def holding(h: Harness, name: str = "a") -> dict[str, Any]:
+    """Register ``name`` with ``NUM_LOGICAL`` logical pages, each physical page filled with its id."""
+    reg = h.register(name)
+    h.ok("grow", **h.auth(name, reg["token"], logical_pages=list(range(NUM_LOGICAL))))
+    for pages in h.service.tenants.named(name).logical.values():
+        for page in pages:
+            h.backend.copy_in(page, memoryview(bytes([page.page_id + 1]) * PAGE_BYTES))
+    return reg
+
+
+def contents(h: Harness, name: str) -> dict[int, list[int]]:
+    """The first byte of each physical page of ``name``, by logical page."""
+    out: dict[int, list[int]] = {}
+    for lp, pages in sorted(h.service.tenants.named(name).logical.items()):
+        for page in pages:
+            buf = bytearray(PAGE_BYTES)
+            h.backend.copy_out(page, memoryview(buf))
+            assert buf == bytes([buf[0]]) * PAGE_BYTES
+            out.setdefault(lp, []).append(buf[0])
+    return out
+
+
+def send(h: Harness, routing_id: bytes, request_id: int, op: str, **args: Any) -> dict[str, Any] | None:
+    """Dispatch one request; its reply now, or None when deferred."""
+    raw = h.service.dispatch(routing_id, request(request_id, op, args))
+    h.service.check_invariants()
+    return None if raw is None else decode(raw)
+
+
+def replies_to(h: Harness, routing_id: bytes) -> list[dict[str, Any]]:
+    return [decode(payload) for rid, payload in h.replies if rid == routing_id]
+
+
+def step(h: Harness, num_steps: int = 1) -> None:
+    for _ in range(num_steps):
+        h.service.step_copies()
+        h.service.check_invariants()
+
+
+def quiesced(h: Harness, name: str, reg: dict[str, Any]) -> int:
+    """Ask ``name`` to sleep warm (admin) and answer ``sleep_ready``: the copy starts."""
+    sleep_id = start_sleep(h, name)
+    assert send(h, b"tenant", 5, "sleep_ready", **h.auth(name, reg["token"], sleep_id=sleep_id)) is None
+    return sleep_id
+
+
+def test_a_big_warm_sleep_answers_at_the_end_of_its_copy_and_others_are_served_meanwhile(h: Harness) -> None:
+    reg, other = holding(h, "a"), h.register("b")
+    before = contents(h, "a")
+    quiesced(h, "a", reg)
+    step(h, 2)
+    assert h.replies == [] and h.service.sleeper.copies.busy
+    assert h.ok("grow", **h.auth("b", other["token"], logical_pages=[0]))["pages"]  # served mid-copy
+    row = next(t for t in h.ok("status")["tenants"] if t["name"] == "a")
+    assert (row["state"], row["mapped_bytes"], row["sleep_pending"]) == ("active", 6 * PAGE_BYTES, "warm")
+    reply = send(h, b"tenant", 6, "shrink", **h.auth("a", reg["token"], logical_pages=[0]))
+    assert reply is not None and reply["error"]["code"] == "ASLEEP" and "copied to host memory" in reply["error"]["message"]
+    h.tick(30.0)  # past the quiesce deadline: a sleep whose copy runs is not cancelled
+    assert h.service.sleeper.copies.busy
+    h.service.sleeper.copies.run_all()
+    (tenant_reply,), (admin_reply,) = replies_to(h, b"tenant"), replies_to(h, b"admin")
+    assert tenant_reply["result"] == admin_reply["result"] == {
+        "state": "sleeping-warm", "num_released": 6, "host_bytes": 6 * PAGE_BYTES}
+    assert send(h, b"admin", 12, "wake", name="a") is None
+    h.service.sleeper.copies.run_all()
+    assert sorted(before.values()) == sorted(contents(h, "a").values())  # every byte back
+
+
+def test_a_big_warm_wake_sends_its_grant_only_once_the_bytes_are_in(h: Harness) -> None:
+    reg = holding(h, "a")
+    before = contents(h, "a")
+    quiesced(h, "a", reg)
+    h.service.sleeper.copies.run_all()
+    h.replies.clear()
+    num_grants = len(h.leases.grants)
+    assert send(h, b"admin", 20, "wake", name="a") is None
+    step(h, 2)
+    assert len(h.leases.grants) == num_grants  # the pages are not the tenant's to map yet
+    assert send(h, b"tenant", 21, "sleep", name="a", token=reg["token"], mode="cold") == {
+        "id": 21, "ok": False, "error": {"code": "CONFLICT", "message": (
+            "tenant 'a' is waking (its KV being copied back): put it to sleep once it is awake")}}
+    shrink = send(h, b"tenant", 22, "shrink", **h.auth("a", reg["token"], logical_pages=[0]))
+    assert shrink is not None and shrink["error"]["code"] == "ASLEEP"
+    assert send(h, b"tenant", 23, "wake", name="a", token=reg["token"]) is None  # joins the first
+    h.service.sleeper.copies.run_all()
+    answers = replies_to(h, b"admin") + replies_to(h, b"tenant")
+    assert [r["id"] for r in answers] == [20, 23]
+    assert all(r["result"] == {"state": "active", "mapped_bytes": 6 * PAGE_BYTES} for r in answers)
+    assert len(h.leases.grants) == num_grants + 1 and h.leases.notices[-1][1]["notice"] == "wake"
+    assert sorted(before.values()) == sorted(contents(h, "a").values())  # every byte back
+
+
+def test_a_wake_while_the_sleep_copies_cancels_it_and_frees_nothing(h: Harness) -> None:
+    reg = holding(h, "a")
+    before = contents(h, "a")
+    sleep_id = quiesced(h, "a", reg)
+    step(h, 8)  # six slices back the new host buffer, then two of the copy
+    assert h.ok("wake", name="a") == {"state": "active", "mapped_bytes": 6 * PAGE_BYTES, "cancelled_sleep": True}
+    assert not h.service.sleeper.copies.busy
+    (tenant_reply,) = replies_to(h, b"tenant")
+    assert tenant_reply["error"]["code"] == "CONFLICT"  # the tenant maps its pages back
+    assert replies_to(h, b"admin")[0]["error"]["code"] == "CONFLICT"
+    assert h.leases.notices[-1][1] == {"notice": "sleep_cancelled", "args": {"sleep_id": sleep_id}}
+    assert contents(h, "a") == before
+    assert h.service.sleeper.buffers.cached_bytes >= 6 * PAGE_BYTES  # the copy's buffer is kept for the next
+
+
+def test_a_tenant_gone_mid_copy_stops_it_and_its_pages_come_back(h: Harness) -> None:
+    reg = holding(h, "a")
+    quiesced(h, "a", reg)
+    step(h, 2)
+    h.service.remove(h.service.tenants.named("a"), "its lease ended", clean=True)
+    assert not h.service.sleeper.copies.busy
+    assert all(r["ok"] is False for r in replies_to(h, b"tenant") + replies_to(h, b"admin"))
+    assert h.ok("status")["free_bytes"] == NUM_PAGES * PAGE_BYTES
+
+
+def test_a_tenant_gone_mid_wake_gets_no_grant_and_its_pages_come_back(h: Harness) -> None:
+    reg = holding(h, "a")
+    quiesced(h, "a", reg)
+    h.service.sleeper.copies.run_all()
+    num_grants = len(h.leases.grants)
+    assert send(h, b"admin", 30, "wake", name="a") is None
+    step(h, 2)
+    h.service.remove(h.service.tenants.named("a"), "its lease ended", clean=True)
+    h.service.sleeper.copies.run_all()
+    assert len(h.leases.grants) == num_grants
+    assert replies_to(h, b"admin")[-1]["error"]["code"] == "CONFLICT"
+    assert h.ok("status")["free_bytes"] == NUM_PAGES * PAGE_BYTES
+
+
+def test_a_copy_failing_midway_leaves_the_tenant_as_it_was(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = holding(h, "a")
+    before = contents(h, "a")
+    calls = []
+    real = h.backend.copy_out_pages
+
+    def fails_second(pages: list, dest: memoryview) -> None:
+        calls.append(len(pages))
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        real(pages, dest)
+
+    monkeypatch.setattr(h.backend, "copy_out_pages", fails_second)
+    sleep_id = quiesced(h, "a", reg)
+    h.service.sleeper.copies.run_all()
+    (tenant_reply,) = replies_to(h, b"tenant")
+    assert tenant_reply["error"]["code"] == "BACKEND_ERROR" and "stays active" in tenant_reply["error"]["message"]
+    row = h.ok("status")["tenants"][0]
+    assert (row["state"], row["mapped_bytes"], row["sleep_pending"]) == ("active", 6 * PAGE_BYTES, None)
+    assert contents(h, "a") == before
+    retry = send(h, b"tenant", 7, "sleep_ready", **h.auth("a", reg["token"], sleep_id=sleep_id))
+    assert retry is not None and retry["error"]["code"] == "CONFLICT"  # a retry after: maps back
+
+
+def test_retried_sleep_readies_wait_for_the_same_end_up_to_a_bound(h: Harness) -> None:
+    reg = holding(h, "a")
+    sleep_id = quiesced(h, "a", reg)
+    args = h.auth("a", reg["token"], sleep_id=sleep_id)
+    assert [send(h, b"tenant", 8 + i, "sleep_ready", **args) for i in range(3)] == [None] * 3
+    over = send(h, b"tenant", 11, "sleep_ready", **args)
+    assert over is not None and over["error"]["code"] == "CONFLICT" and "already wait" in over["error"]["message"]
+    h.service.sleeper.copies.run_all()
+    answered = replies_to(h, b"tenant")
+    assert [r["id"] for r in answered] == [5, 8, 9, 10]
+    assert all(r["result"]["state"] == "sleeping-warm" for r in answered)
+
+
+def test_a_wake_that_waited_for_pages_is_answered_when_its_copy_ends(h: Harness) -> None:
+    reg, other = holding(h, "a"), h.register("b")
+    quiesced(h, "a", reg)
+    h.service.sleeper.copies.run_all()
+    h.ok("grow", **h.auth("b", other["token"], logical_pages=list(range(6))))  # 12 of 16 pages: 4 free
+    assert send(h, b"admin", 40, "wake", name="a") is None  # parked: b is asked to give pages back
+    h.ok("shrink", **h.auth("b", other["token"], logical_pages=[4, 5]))
+    h.tick(0.1)  # the parked wake is retried: its pages fit now
+    assert replies_to(h, b"admin")[-1]["id"] != 40  # the copy back has started, not ended
+    assert h.service.tenants.named("a").waking is not None
+    h.service.sleeper.copies.run_all()
+    assert replies_to(h, b"admin")[-1] == {"id": 40, "ok": True, "result": {
+        "state": "active", "mapped_bytes": 6 * PAGE_BYTES}}
+
+
+def test_a_grow_waiting_for_pages_gets_those_a_sleep_frees_when_its_copy_ends(h: Harness) -> None:
+    reg, other = holding(h, "a"), h.register("b")
+    quiesced(h, "a", reg)  # a's six pages go to host memory: 10 of 16 free meanwhile
+    grow = send(h, b"b", 50, "grow", **h.auth("b", other["token"], logical_pages=list(range(6))))
+    assert grow is None  # twelve pages: it waits for what a gives back
+    while h.service.sleeper.copies.busy:
+        step(h)
+    (answer,) = replies_to(h, b"b")
+    assert answer["id"] == 50 and answer["ok"] and len(answer["result"]["pages"]) == 6
