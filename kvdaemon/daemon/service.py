@@ -46,6 +46,7 @@ from kvdaemon.daemon.reclaim import Reclaimer
 from kvdaemon.daemon.reply import Call, PendingReply, ReplySink
 from kvdaemon.daemon.shares import Shares
 from kvdaemon.daemon.sleep import MAX_CACHED_BUFFER_BYTES, Sleeper
+from kvdaemon.daemon.wake import Waker
 from kvdaemon.daemon.log_throttle import LogThrottle
 from kvdaemon.daemon.tenant import (
     MAX_TENANTS, MAX_UNATTACHED, MAX_UNATTACHED_PER_CONN, Tenant, Tenants, TenantState, WireSpec, check_name,
@@ -99,6 +100,7 @@ class Service:
             self.tenants, self.grants, backend, leases, self.config.sleep_timeout_s, self.clock,
             max_host_bytes=self.config.warm_memory.resolve(swap.host_memory_bytes()),
         )
+        self.waker = Waker(self.sleeper)
         self.reclaimer = Reclaimer(
             self.tenants, self.shares, self.pages, self.grants, leases, self.sleeper,
             wait_s=self.config.reclaim_wait_s, escalate_s=self.config.reclaim_escalate_s,
@@ -395,11 +397,11 @@ class Service:
         tenant, now = self._by_name(args), self.clock()
         waiter = call.defer()  # answered when a sliced copy back ends, or when pages come back
         try:
-            done = self.sleeper.wake(tenant, now, why, waiter)
+            done = self.waker.wake(tenant, now, why, waiter)
         except NoMemory:
-            need = self.sleeper.wake_pages(tenant)
+            need = self.waker.wake_pages(tenant)
             if self.reclaimer.park(tenant, [], need, waiter, self.reclaimer.wait_s, now,
-                                   attempt=lambda woken, at: self.sleeper.wake(woken, at, why, waiter)):  # fmt: skip
+                                   attempt=lambda woken, at: self.waker.wake(woken, at, why, waiter)):  # fmt: skip
                 return waiter
             raise
         return waiter if done is None else done
@@ -450,12 +452,18 @@ class Service:
         """
         self.activity.flush(tenant, self.clock())
         held = not clean and self.quarantine.hold(tenant, why)
+        self.forget_sleep(tenant)  # a copy of its pages under way stops first
         num_pages = 0 if held else self.grants.release_all(tenant)
-        self.sleeper.forget(tenant)
         self.tenants.remove(tenant)
         if logged:
             log_removed(tenant, num_pages, why, clean)
         return num_pages
+
+    def forget_sleep(self, tenant: Tenant, why: KVDaemonError | None = None) -> None:
+        """Drop a removed tenant's sleep or wake under way and its warm copy; their callers
+        are told ``why`` (default: the tenant went away)."""
+        self.waker.forget(tenant, why)
+        self.sleeper.forget(tenant, why)
 
     def tick(self, now: float) -> None:
         """Time-driven work: drop tenants that never attached, cancel stale sleeps,

@@ -1,4 +1,4 @@
-"""Sleep and wake of tenants: warm (bytes kept in host memory) or cold (dropped).
+"""Sleep of tenants: warm (bytes kept in host memory) or cold (dropped).
 
 A sleep is a three-step exchange, so that nothing is freed under a busy engine
 and both sides always end in the same state:
@@ -23,42 +23,37 @@ backend gains from it, ``DevicePages``): a wake soon after writes its bytes
 back into memory that is already there instead of into memory the OS must
 fault in; anyone else's grant gets them zeroed.
 
-``wake`` grants fresh pages at the same logical pages, copies the saved bytes
-in (warm), and sends the tenant a ``wake`` notice naming the grant; a cold
-tenant wakes with no pages. Its virtual addresses never changed, so block
-tables stay valid (warm). Waking an awake tenant, or sleeping a sleeper again,
-answers with its state (``already``); ``cold`` converts a warm sleeper.
+Sleeping a sleeper again answers with its state (``already``); ``cold``
+converts a warm sleeper. The wake is ``kvdaemon.daemon.wake``.
 
-A copy of more than one slice (the backend's ``copy_slice_bytes``) runs a slice at a time
-between the loop's other work (``kvdaemon.daemon.copies``); its callers are
-answered when it ends. Meanwhile the tenant's pages stay put (no shrink), a
-wake of a tenant being saved cancels the sleep (the copy stops, nothing was
-freed; its ``sleep_ready`` is answered ``CONFLICT`` and it maps its pages
-back), a second wake joins the first, a sleep of a waking tenant is refused,
-and a tenant removed mid-copy has its copy stopped before its pages go. The
-grant of a warm wake goes to the tenant only once its bytes are in.
+A copy of more than one slice (the backend's ``copy_slice_bytes``) runs a
+slice at a time between the loop's other work (``kvdaemon.daemon.copies``);
+its callers are answered when it ends. Meanwhile the tenant's pages stay put
+(no shrink), a wake of a tenant being saved cancels the sleep (the copy stops,
+nothing was freed; its ``sleep_ready`` is answered ``CONFLICT`` and it maps its
+pages back), a sleep of a waking tenant is refused, and a tenant removed
+mid-copy has its copy stopped before its pages go.
 
 Cost: one host copy of every page each way (warm); O(pages) otherwise.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
+from kvdaemon.cuda_vmm.backend import Backend
 from kvdaemon.daemon import swap
 from kvdaemon.daemon.copies import Copies, Steps, run_through
 from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.ports import LeasePort, notify
 from kvdaemon.daemon.reply import PendingReply
-from kvdaemon.daemon.tenant import PendingSleep, PendingWake, Tenant, Tenants, TenantState
+from kvdaemon.daemon.tenant import PendingSleep, Tenant, Tenants, TenantState
 from kvdaemon.errors import BackendError, Conflict, KVDaemonError, NoMemory
-from kvdaemon.wire.messages import SleepCancelledNotice, SleepNotice, WakeNotice
+from kvdaemon.wire.messages import SleepCancelledNotice, SleepNotice
 from kvdaemon.wire.sizes import format_bytes
 
 log = logging.getLogger("kvdaemon.sleep")
@@ -85,7 +80,6 @@ class Sleeper:
         self._ids = itertools.count(1)
         self.num_sleeps = 0
         self.num_victims_slept = 0  # the sleeps above that reclaim asked for (done, not only asked)
-        self.num_wakes = 0
         self.buffers = swap.BufferCache(
             min(grants.pages.capacity_bytes, MAX_CACHED_BUFFER_BYTES,
                 MAX_CACHED_BUFFER_BYTES if max_host_bytes is None else max_host_bytes),
@@ -152,7 +146,7 @@ class Sleeper:
     def _sleep_again(self, tenant: Tenant, mode: str, why: str) -> dict[str, Any]:
         if mode == "cold" and tenant.state is TenantState.SLEEPING_WARM:
             host_bytes = 0 if tenant.warm is None else tenant.warm.host_bytes
-            self._drop_warm(tenant)
+            self.drop_warm(tenant)
             tenant.state = TenantState.SLEEPING_COLD
             log.info("tenant %s is sleeping-cold (%s): warm sleep made cold, its host copy of %s "
                      "dropped", tenant.name, why, format_bytes(host_bytes))  # fmt: skip
@@ -171,7 +165,7 @@ class Sleeper:
         if pending is None or pending.sleep_id != sleep_id:
             raise Conflict(f"sleep {sleep_id} of {tenant.name!r} was cancelled or never asked")
         if pending.saving is not None:  # a retried sleep_ready while the copy runs
-            _park(pending.answers, answer, f"tenant {tenant.name!r} is {tenant.copying}")
+            park(pending.answers, answer, f"tenant {tenant.name!r} is {tenant.copying}")
             return None
         if refused:
             tenant.pending_sleep = None
@@ -249,98 +243,15 @@ class Sleeper:
         host = 0 if tenant.warm is None else tenant.warm.host_bytes
         return {"state": tenant.state.value, "num_released": num_released, "host_bytes": host}
 
-    def wake(
-        self, tenant: Tenant, now: float, why: str = "woken by an admin", waiter: PendingReply | None = None,
-    ) -> dict[str, Any] | None:
-        """Give a sleeping tenant pages again (bytes restored when warm) and tell it; ``why``
-        says who asked, for the log. An active tenant's pending sleep is cancelled (the later
-        word wins; ``cancelled_sleep`` in the result); one with none: ``already``. ``None``
-        while a sliced copy back runs: ``waiter`` is answered at its end (a wake meanwhile
-        joins it). ``NoMemory`` (nothing taken) when the pool is short."""
-        mode = tenant.state.mode
-        if mode is None:
-            pending = tenant.pending_sleep
-            if pending is None:
-                return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes, "already": True}
-            self._cancel(tenant, pending, f"{why} before it slept")  # the later word: nothing was freed
-            return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes, "cancelled_sleep": True}
-        if tenant.waking is not None:
-            _park(tenant.waking.waiters, waiter, f"tenant {tenant.name!r} is {tenant.copying}")
-            return None
-        warm = tenant.warm
-        if warm is None:
-            return self._woken(tenant, mode, [], why)
-        pages = self.grants.take(tenant, warm.logical_pages, now, overwrite=True)
-        steps = swap.restore(self.backend, warm, tenant.logical)
-        if tenant.mapped_bytes <= self.backend.copy_slice_bytes or waiter is None:
-            try:
-                run_through(steps)
-            except (BackendError, OSError) as exc:
-                raise self._restore_failed(tenant, [], exc) from exc
-            return self._woken(tenant, mode, pages, why)
-        waiters = [waiter]
-        job = self.copies.start(
-            steps, lambda _: self._wake_done(tenant, mode, pages, why),
-            lambda exc: self._restore_failed(tenant, waiters, exc),
-        )
-        tenant.waking = PendingWake(job, waiters, why)
-        return None
-
-    def _wake_done(self, tenant: Tenant, mode: str, pages: list[PhysicalPage], why: str) -> None:
-        """The end of a sliced copy back: ``_woken``, whose failure has told the waiters."""
-        with contextlib.suppress(BackendError):
-            self._woken(tenant, mode, pages, why)
-
-    def _woken(self, tenant: Tenant, mode: str, pages: list[PhysicalPage], why: str) -> dict[str, Any]:
-        """Send the pages (their bytes in), make the tenant active, tell it, answer the waiters."""
-        waking, tenant.waking = tenant.waking, None
-        waiters = [] if waking is None else waking.waiters
-        grant: dict[str, Any] = {"grant_id": 0, "pages": []}
-        if tenant.warm is not None:
-            try:
-                grant = self.grants.send(tenant, tenant.warm.logical_pages, pages)
-            except (BackendError, OSError) as exc:
-                raise self._restore_failed(tenant, waiters, exc) from exc
-            self._drop_warm(tenant)
-        tenant.state = TenantState.ACTIVE
-        self.tenants.changed()
-        tenant.touch(self.clock())
-        self.num_wakes += 1
-        lps = [lp for lp, _ in grant["pages"]]
-        for notice in WakeNotice.parts(mode, grant["grant_id"], lps):
-            notify(self.leases, tenant.tenant_id, notice)
-        log.info("tenant %s is active (%s; was sleeping-%s): %s restored", tenant.name, why, mode,
-                 format_bytes(tenant.mapped_bytes))  # fmt: skip
-        result = {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes}
-        for reply in waiters:
-            reply.ok(result)
-        return result
-
-    def _restore_failed(self, tenant: Tenant, waiters: list[PendingReply], exc: Exception) -> BackendError:
-        """A copy back (or its grant) failed: the pages taken go back, the tenant sleeps on
-        warm with its host copy, the waiters are told. Returns the error."""
-        tenant.waking = None
-        self.grants.release_all(tenant)  # a sleeper holds only what its wake took
-        error = BackendError(f"tenant {tenant.name!r} stays asleep (warm, its KV kept in host memory): "
-                             f"its KV could not be copied back ({exc})")
-        log.error("%s", error.message)
-        for reply in waiters:
-            reply.fail(error)
-        return error
-
-    def wake_pages(self, tenant: Tenant) -> int:
-        """Logical pages a wake of ``tenant`` maps (its warm copy's; 0 for a cold sleeper)."""
-        return 0 if tenant.warm is None else len(tenant.warm.logical_pages)
-
     def expire(self, now: float) -> None:
         """Cancel sleeps whose tenant did not quiesce in time; nothing was freed."""
         for tenant in self.tenants:
             pending = tenant.pending_sleep
             if pending is None or pending.saving is not None or now < pending.deadline:
                 continue  # none, or the tenant quiesced in time: its copy runs
-            self._cancel(tenant, pending, f"did not quiesce within {self.timeout_s:g} s")
+            self.cancel(tenant, pending, f"did not quiesce within {self.timeout_s:g} s")
 
-    def _cancel(self, tenant: Tenant, pending: PendingSleep, why: str) -> None:
+    def cancel(self, tenant: Tenant, pending: PendingSleep, why: str) -> None:
         """Cancel ``tenant``'s pending sleep (nothing was freed): its caller is told ``why``
         (``CONFLICT``), the tenant too; a ``sleep_ready`` on its way is refused (``finish``),
         and the tenant maps its pages back."""
@@ -363,24 +274,21 @@ class Sleeper:
                 self.begin(tenant, mode, None, now, why=f"idle policy: idle for {idle:.0f} s")
 
     def stats(self) -> dict[str, int]:
-        return {"sleeps": self.num_sleeps, "victims_slept": self.num_victims_slept, "wakes": self.num_wakes}
+        return {"sleeps": self.num_sleeps, "victims_slept": self.num_victims_slept}
 
     def forget(self, tenant: Tenant, why: KVDaemonError | None = None) -> None:
         """Drop what a removed tenant kept: its warm copy and any parked caller, told ``why``
         (default: the tenant went away)."""
         pending, tenant.pending_sleep = tenant.pending_sleep, None
-        waking, tenant.waking = tenant.waking, None
-        for job in (None if pending is None else pending.saving, None if waking is None else waking.job):
-            if job is not None:
-                job.cancel()  # before its pages go (the caller frees them next)
-        self._drop_warm(tenant)
+        if pending is not None and pending.saving is not None:
+            pending.saving.cancel()  # before its pages go (the caller frees them next)
+        self.drop_warm(tenant)
         if pending is not None:
             for reply in _replies(pending.waiter, pending.answers):
                 reply.fail(why or Conflict(f"tenant {tenant.name!r} went away while going to sleep"))
-        for reply in [] if waking is None else waking.waiters:
-            reply.fail(why or Conflict(f"tenant {tenant.name!r} went away while waking"))
 
-    def _drop_warm(self, tenant: Tenant) -> None:
+    def drop_warm(self, tenant: Tenant) -> None:
+        """Give a warm sleeper's host copy back (its buffer to the cache)."""
         if tenant.warm is not None:
             tenant.warm.discard()
             tenant.warm = None
@@ -391,7 +299,7 @@ def _replies(waiter: PendingReply | None, answers: list[PendingReply]) -> list[P
     return answers if waiter is None else [waiter, *answers]
 
 
-def _park(replies: list[PendingReply], reply: PendingReply | None, busy: str) -> None:
+def park(replies: list[PendingReply], reply: PendingReply | None, busy: str) -> None:
     """Park ``reply`` on a copy's end, at most ``MAX_ANSWERS`` of them: past that ``Conflict``."""
     if reply is None:
         return

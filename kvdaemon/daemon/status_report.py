@@ -53,7 +53,8 @@ def build(service: StatusSource) -> dict[str, Any]:
     now, pages = service.clock(), service.pages
     fair = service.shares.fair_pages_all()
     tenants = [_tenant_row(service, t, now, fair) for t in service.tenants]
-    counters = {**service.reclaimer.stats(), **service.sleeper.stats(), "never_attached": service.num_never_attached}
+    counters = {**service.reclaimer.stats(), **service.sleeper.stats(), **service.waker.stats(),
+                "never_attached": service.num_never_attached}
     return {
         "backend": service.backend.name,
         "device": service.backend.device,
