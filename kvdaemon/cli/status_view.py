@@ -109,7 +109,7 @@ def tenant_row(tenant: dict[str, Any]) -> list[str]:
     return [
         str(tenant["name"]),
         str(tenant["pid"]),
-        state_words(str(tenant["state"])),
+        state_words(str(tenant["state"])) + (f", {tenant['copying']}" if tenant.get("copying") else ""),
         format_bytes_short(int(tenant["mapped_bytes"])),
         format_bytes_short(int(tenant["used_bytes"])),
         "none" if limit is None else format_bytes_short(int(limit)),

@@ -185,11 +185,21 @@ class Tenant:
     @property
     def copying(self) -> str:
         """What copy of its pages runs, in words ("" when none): its pages stay put meanwhile."""
+        kind = self.copy_kind
+        if kind is None:
+            return ""
+        return {"restoring": "waking (its KV being copied back)",
+                "saving": "going to sleep (its KV being copied to host memory)"}[kind]  # fmt: skip
+
+    @property
+    def copy_kind(self) -> str | None:
+        """``saving`` (its warm sleep's copy to host memory runs), ``restoring`` (its wake's copy
+        back runs), else ``None``: the ``copying`` of ``status``."""
         if self.waking is not None:
-            return "waking (its KV being copied back)"
+            return "restoring"
         if self.pending_sleep is not None and self.pending_sleep.saving is not None:
-            return "going to sleep (its KV being copied to host memory)"
-        return ""
+            return "saving"
+        return None
 
     @property
     def mapped_bytes(self) -> int:
@@ -264,6 +274,7 @@ class Tenant:
             "over_limit_bytes": max(0, self.mapped_bytes - self.max_bytes),
             "sleepable": self.sleepable,
             "sleep_pending": None if self.pending_sleep is None else self.pending_sleep.mode,
+            "copying": self.copy_kind,
             "reclaim_owed_bytes": self.debt.owed_pages * self.logical_page_bytes,
             "unpaid_reclaims": self.debt.num_unpaid,
             "attached": self.leased,

@@ -43,6 +43,9 @@ def test_tenant_row() -> None:
     ]  # fmt: skip
     unlimited = status_view.tenant_row(make_tenant(max_bytes=None, weight=2.5, state="sleeping-cold"))
     assert unlimited[2] == "asleep (cold)" and unlimited[5:8] == ["none", "0", "2.5"]
+    assert status_view.tenant_row(make_tenant(copying="saving"))[2] == "active, saving"
+    waking = status_view.tenant_row(make_tenant(state="sleeping-warm", copying="restoring"))
+    assert waking[2] == "asleep (warm), restoring"
 
 
 @pytest.mark.parametrize(

@@ -80,9 +80,11 @@ def test_a_big_warm_sleep_answers_at_the_end_of_its_copy_and_others_are_served_m
     assert h.replies == [] and h.service.sleeper.copies.busy
     assert h.ok("grow", **h.auth("b", other["token"], logical_pages=[0]))["pages"]  # served mid-copy
     row = next(t for t in h.ok("status")["tenants"] if t["name"] == "a")
-    assert (row["state"], row["mapped_bytes"], row["sleep_pending"]) == ("active", 6 * PAGE_BYTES, "warm")
+    assert (row["state"], row["mapped_bytes"], row["sleep_pending"], row["copying"]) == (
+        "active", 6 * PAGE_BYTES, "warm", "saving")
     reply = send(h, b"tenant", 6, "shrink", **h.auth("a", reg["token"], logical_pages=[0]))
-    assert reply is not None and reply["error"]["code"] == "ASLEEP" and "copied to host memory" in reply["error"]["message"]
+    assert reply is not None and reply["error"]["code"] == "ASLEEP"
+    assert "copied to host memory" in reply["error"]["message"]
     h.tick(30.0)  # past the quiesce deadline: a sleep whose copy runs is not cancelled
     assert h.service.sleeper.copies.busy
     h.service.sleeper.copies.run_all()
@@ -92,6 +94,7 @@ def test_a_big_warm_sleep_answers_at_the_end_of_its_copy_and_others_are_served_m
     assert send(h, b"admin", 12, "wake", name="a") is None
     h.service.sleeper.copies.run_all()
     assert sorted(before.values()) == sorted(contents(h, "a").values())  # every byte back
+    assert h.ok("status")["tenants"][0]["copying"] is None
 
 
 def test_a_big_warm_wake_sends_its_grant_only_once_the_bytes_are_in(h: Harness) -> None:
@@ -104,6 +107,8 @@ def test_a_big_warm_wake_sends_its_grant_only_once_the_bytes_are_in(h: Harness) 
     assert send(h, b"admin", 20, "wake", name="a") is None
     step(h, 2)
     assert len(h.leases.grants) == num_grants  # the pages are not the tenant's to map yet
+    row = h.ok("status")["tenants"][0]
+    assert (row["state"], row["mapped_bytes"], row["copying"]) == ("sleeping-warm", 6 * PAGE_BYTES, "restoring")
     assert send(h, b"tenant", 21, "sleep", name="a", token=reg["token"], mode="cold") == {
         "id": 21, "ok": False, "error": {"code": "CONFLICT", "message": (
             "tenant 'a' is waking (its KV being copied back): put it to sleep once it is awake")}}
@@ -116,6 +121,7 @@ def test_a_big_warm_wake_sends_its_grant_only_once_the_bytes_are_in(h: Harness) 
     assert all(r["result"] == {"state": "active", "mapped_bytes": 6 * PAGE_BYTES} for r in answers)
     assert len(h.leases.grants) == num_grants + 1 and h.leases.notices[-1][1]["notice"] == "wake"
     assert sorted(before.values()) == sorted(contents(h, "a").values())  # every byte back
+    assert h.ok("status")["tenants"][0]["copying"] is None
 
 
 def test_a_wake_while_the_sleep_copies_cancels_it_and_frees_nothing(h: Harness) -> None:
