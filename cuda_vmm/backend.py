@@ -63,7 +63,7 @@ class Backend(Protocol):
     name: str
     device: int
     recycles_released_pages: bool  # True where fresh memory is faulted in on first touch (host)
-    copy_slice_bytes: int  # what one step of a sliced bulk copy moves: ~10 ms, as fast per byte as one copy
+    copy_slice_bytes: int  # the most one step of a sliced bulk copy moves: as fast per byte as one copy
     page_size_bytes: int
     num_pages: int
 

@@ -36,6 +36,7 @@ log = logging.getLogger("kvdaemon.copies")
 T = TypeVar("T")
 Steps = Generator[None, None, Any]
 BUDGET_S = 0.01  # one step's share of the loop: the slices that fit, at least one
+FIRST_SLICE_BYTES = 16 << 20  # a copy's first slice, before its speed is known
 
 
 def run_through(steps: Generator[None, None, T]) -> T:
@@ -45,6 +46,42 @@ def run_through(steps: Generator[None, None, T]) -> T:
             next(steps)
         except StopIteration as done:
             return done.value
+
+
+class Pacer:
+    """The sizes of one copy's slices: each about ``budget_s`` at the speed the last one went
+    (fresh memory, faulted in as it is written, can be ten times slower than memory already
+    there), a multiple of ``unit_bytes`` between one unit and ``max_bytes``, growing at most
+    ``GROWTH`` times a slice; the first is ``first_bytes``. O(1)."""
+
+    GROWTH = 4
+
+    def __init__(
+        self, max_bytes: int, unit_bytes: int, first_bytes: int, budget_s: float = BUDGET_S,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.unit_bytes = unit_bytes
+        self.max_units = max(1, max_bytes // unit_bytes)
+        self.budget_s = budget_s
+        self.clock = clock
+        self._units = min(self.max_units, max(1, first_bytes // unit_bytes))
+
+    def run(self, num_units: int, work: Callable[[int, int], None]) -> Generator[None, None, None]:
+        """``work(first unit, number of units)`` over ``num_units``, a slice per step, each
+        slice sized by how long ``work`` took over the one before."""
+        start = 0
+        while start < num_units:
+            count = min(self._units, num_units - start)
+            began = self.clock()
+            work(start, count)
+            self._pace(count, self.clock() - began)
+            start += count
+            if start < num_units:
+                yield
+
+    def _pace(self, count: int, seconds: float) -> None:
+        fits = count * self.budget_s / seconds if seconds > 0 else self.max_units
+        self._units = max(1, min(self.max_units, self.GROWTH * count, int(fits)))
 
 
 class CopyJob:

@@ -278,7 +278,7 @@ class Daemon:
                                 "this daemon (it wakes empty under the next one)", tenant.name,
                                 tenant.warm.host_bytes)  # fmt: skip
                 # a warm copy dies with the daemon; a caller waiting for a sleep is told why
-                self.service.forget_sleep(tenant, DaemonUnreachable("the daemon stopped before the tenant slept"))
+                self.service.forget_sleep(tenant, stopping=True)
                 notify(self.leases, tenant.tenant_id, ShutdownNotice())
         self.leases.close_all()
         self.service.sleeper.buffers.clear()  # unpinning needs the backend still open

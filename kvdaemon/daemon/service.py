@@ -54,7 +54,8 @@ from kvdaemon.daemon.tenant import (
 from kvdaemon.daemon import status_report, swap
 from kvdaemon.daemon.tenant_log import ActivityLog, log_registered, log_removed
 from kvdaemon.errors import (
-    BadRequest, Conflict, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp, VersionMismatch,
+    BadRequest, Conflict, DaemonUnreachable, Forbidden, KVDaemonError, NoMemory, OverLimit, UnknownOp,
+    VersionMismatch,
 )
 from kvdaemon.wire.handles import MAX_GROW_PAGES, max_grant_pages
 from kvdaemon.wire.messages import SLEEP_MODES
@@ -459,11 +460,13 @@ class Service:
             log_removed(tenant, num_pages, why, clean)
         return num_pages
 
-    def forget_sleep(self, tenant: Tenant, why: KVDaemonError | None = None) -> None:
+    def forget_sleep(self, tenant: Tenant, stopping: bool = False) -> None:
         """Drop a removed tenant's sleep or wake under way and its warm copy; their callers
-        are told ``why`` (default: the tenant went away)."""
-        self.waker.forget(tenant, why)
-        self.sleeper.forget(tenant, why)
+        are told the tenant went away (``stopping``: the daemon is stopping)."""
+        woke = DaemonUnreachable("the daemon stopped before the tenant woke") if stopping else None
+        slept = DaemonUnreachable("the daemon stopped before the tenant slept") if stopping else None
+        self.waker.forget(tenant, woke)
+        self.sleeper.forget(tenant, slept)
 
     def tick(self, now: float) -> None:
         """Time-driven work: drop tenants that never attached, cancel stale sleeps,

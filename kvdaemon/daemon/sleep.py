@@ -59,7 +59,7 @@ from kvdaemon.wire.sizes import format_bytes
 log = logging.getLogger("kvdaemon.sleep")
 MAX_CACHED_BUFFER_BYTES = 2 << 30  # host memory kept for the next warm sleep, at most
 IDLE_KEEP_S = 30.0  # a warm sleeper's freed pages stay backed this long (host backend)
-MAX_ANSWERS = 4  # replies parked on one copy's end per tenant (a retried sleep_ready, a second wake)
+MAX_ANSWERS = 16  # calls parked on one copy's end per tenant (retried sleep_readys, more wakes)
 
 
 class Sleeper:
@@ -158,14 +158,14 @@ class Sleeper:
     ) -> dict[str, Any] | None:
         """The tenant's answer to sleep ``sleep_id``: the daemon's decision (module docstring).
         ``None`` while a sliced warm copy runs: ``answer`` (the tenant's reply) is answered at its
-        end, as are retried ``sleep_ready``s meanwhile (at most ``MAX_ANSWERS``)."""
+        end, as are retried ``sleep_ready``s meanwhile (``park``)."""
         if tenant.last_sleep is not None and tenant.last_sleep[0] == sleep_id:
             return tenant.last_sleep[1]  # a retried sleep_ready: the same answer
         pending = tenant.pending_sleep
         if pending is None or pending.sleep_id != sleep_id:
             raise Conflict(f"sleep {sleep_id} of {tenant.name!r} was cancelled or never asked")
         if pending.saving is not None:  # a retried sleep_ready while the copy runs
-            park(pending.answers, answer, f"tenant {tenant.name!r} is {tenant.copying}")
+            park(pending.answers, answer)
             return None
         if refused:
             tenant.pending_sleep = None
@@ -224,8 +224,9 @@ class Sleeper:
 
     def _save(self, tenant: Tenant) -> Steps:
         """The steps of a copy of a quiesced tenant's pages to host memory."""
-        # its own reservation ends with its pending sleep: the others' is what is held
-        largest = None if self.max_host_bytes is None else self.max_host_bytes - self.host_bytes_held()
+        # what the others hold or reserve (its own pending sleep reserves its mapped bytes)
+        others = self.host_bytes_held() - tenant.mapped_bytes
+        largest = None if self.max_host_bytes is None else self.max_host_bytes - others
         return swap.save(self.backend, tenant.logical, tenant.spec.num_segments, self.buffers, largest)
 
     def _save_failed(self, tenant: Tenant, pending: PendingSleep, exc: Exception) -> BackendError:
@@ -299,10 +300,14 @@ def _replies(waiter: PendingReply | None, answers: list[PendingReply]) -> list[P
     return answers if waiter is None else [waiter, *answers]
 
 
-def park(replies: list[PendingReply], reply: PendingReply | None, busy: str) -> None:
-    """Park ``reply`` on a copy's end, at most ``MAX_ANSWERS`` of them: past that ``Conflict``."""
+def park(replies: list[PendingReply], reply: PendingReply | None) -> None:
+    """Park ``reply`` until a copy ends: every parked call gets the copy's final answer, never
+    an answer that could disagree with it. Past ``MAX_ANSWERS`` one parked call is dropped,
+    unanswered: the oldest of ``reply``'s own peer (it sent again), else the oldest after the
+    first caller's. O(MAX_ANSWERS)."""
     if reply is None:
         return
     if len(replies) >= MAX_ANSWERS:
-        raise Conflict(f"{busy}; {MAX_ANSWERS} calls already wait for it: ask again when it is done")
+        own = [i for i, parked in enumerate(replies) if parked.routing_id == reply.routing_id]
+        del replies[own[0] if own else min(1, len(replies) - 1)]
     replies.append(reply)

@@ -15,9 +15,10 @@ cost more than the copy. (Transparent huge pages are not asked for: a fresh
 huge page can cost far more to fault in than the 512 small ones it replaces.)
 
 ``save``, ``restore`` and ``BufferCache.take_steps`` are generators that do one
-slice of the backend's ``copy_slice_bytes`` per step (``kvdaemon.daemon.copies``): the daemon's
-loop serves other tenants between slices. Closed early, a save gives its
-buffer back and saves nothing.
+slice per step (``kvdaemon.daemon.copies``; ``Pacer``: about 10 ms each, at most
+the backend's ``copy_slice_bytes``, less where the memory is fresh and faults in
+as it is written): the daemon's loop serves other tenants between slices.
+Closed early, a save gives its buffer back and saves nothing.
 
 Cost: one bulk copy each way; host memory equal to the tenant's mapped bytes
 while it sleeps, plus at most the cache's bound after.
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 from kvdaemon.cuda_vmm import host_copy
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
-from kvdaemon.daemon.copies import run_through
+from kvdaemon.daemon.copies import FIRST_SLICE_BYTES, Pacer, run_through
 from kvdaemon.errors import BackendError
 
 
@@ -93,10 +94,13 @@ class BufferCache:
         try:
             with memoryview(buffer) as view:
                 address = host_copy.address_of(view)
-            step_bytes = self.backend.copy_slice_bytes
-            for start in range(0, size, step_bytes):
-                host_copy.populate(address + start, min(step_bytes, size - start))  # backed now, in bulk
-                yield
+            unit = self.backend.page_size_bytes
+
+            def populate(first: int, count: int) -> None:  # backed now, in bulk
+                host_copy.populate(address + first * unit, min(count * unit, size - first * unit))
+
+            pacer = Pacer(self.backend.copy_slice_bytes, unit, FIRST_SLICE_BYTES)
+            yield from pacer.run(-(-size // unit), populate)
             with memoryview(buffer) as view:
                 self.backend.pin_host(view)  # page-locked on CUDA: DMA straight in
         except BaseException:  # closed early too: the memory goes back to the OS
@@ -192,11 +196,11 @@ def _copy_slices(
     copy_pages: Callable[[list[PhysicalPage], memoryview], None], pages: list[PhysicalPage],
     buffer: mmap.mmap, page_bytes: int, slice_bytes: int,
 ) -> Generator[None, None, None]:
-    """``copy_pages`` of page i at ``buffer[i * page_bytes:]``, ``slice_bytes`` a step."""
-    per_slice = max(1, slice_bytes // page_bytes)
-    for start in range(0, len(pages), per_slice):
-        chunk = pages[start : start + per_slice]
+    """``copy_pages`` of page i at ``buffer[i * page_bytes:]``, a slice a step (``Pacer``: at
+    most ``slice_bytes``, less where memory is slow to write)."""
+
+    def copy(first: int, count: int) -> None:
         with memoryview(buffer) as view:
-            copy_pages(chunk, view[start * page_bytes : (start + len(chunk)) * page_bytes])
-        if start + per_slice < len(pages):
-            yield
+            copy_pages(pages[first : first + count], view[first * page_bytes : (first + count) * page_bytes])
+
+    yield from Pacer(slice_bytes, page_bytes, FIRST_SLICE_BYTES).run(len(pages), copy)

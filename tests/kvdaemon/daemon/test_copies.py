@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvdaemon.daemon.copies import Copies, run_through
+from kvdaemon.daemon.copies import Copies, Pacer, run_through
 from kvdaemon.errors import BackendError
 
 
@@ -109,3 +109,39 @@ def test_a_callback_that_fails_is_logged_and_the_loop_goes_on(caplog: pytest.Log
 def test_run_through_returns_the_value() -> None:
     log: list[str] = []
     assert run_through(counting(log, "a", 3)) == "a-done" and log == ["a0", "a1", "a2", "a-cleanup"]
+
+
+class WorkClock:
+    """A clock that ``work`` moves by ``seconds_per_unit`` for each unit it is given."""
+
+    def __init__(self, seconds_per_unit: float) -> None:
+        self.now = 0.0
+        self.seconds_per_unit = seconds_per_unit
+        self.counts: list[int] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def work(self, first: int, count: int) -> None:
+        assert first == sum(self.counts)  # slices in order, none skipped
+        self.counts.append(count)
+        self.now += count * self.seconds_per_unit
+
+
+def test_slices_grow_to_the_most_while_the_copy_is_fast() -> None:
+    clock = WorkClock(seconds_per_unit=0.0001)  # 100 units fit the budget
+    steps = Pacer(max_bytes=32, unit_bytes=1, first_bytes=2, budget_s=0.01, clock=clock).run(100, clock.work)
+    assert sum(1 for _ in steps) == len(clock.counts) - 1  # a step between two slices
+    assert clock.counts == [2, 8, 32, 32, 26]  # four times a slice at most, then the cap, then the rest
+
+
+def test_slices_shrink_to_the_budget_where_memory_is_slow() -> None:
+    clock = WorkClock(seconds_per_unit=0.004)  # fresh memory: 2.5 units fit the budget
+    run_through(Pacer(max_bytes=32, unit_bytes=1, first_bytes=16, budget_s=0.01, clock=clock).run(30, clock.work))
+    assert clock.counts[:3] == [16, 2, 2] and sum(clock.counts) == 30
+
+
+def test_a_slice_is_one_unit_at_least() -> None:
+    clock = WorkClock(seconds_per_unit=1.0)
+    run_through(Pacer(max_bytes=8, unit_bytes=4, first_bytes=1, budget_s=0.01, clock=clock).run(3, clock.work))
+    assert clock.counts == [1, 1, 1]

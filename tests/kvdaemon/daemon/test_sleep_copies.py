@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kvdaemon.daemon import sleep as sleep_module
 from kvdaemon.wire.protocol import decode, request
 
 from tests.kvdaemon.daemon.test_service import NUM_PAGES, PAGE_BYTES, Harness, start_sleep
@@ -187,17 +188,32 @@ def test_a_copy_failing_midway_leaves_the_tenant_as_it_was(h: Harness, monkeypat
     assert retry is not None and retry["error"]["code"] == "CONFLICT"  # a retry after: maps back
 
 
-def test_retried_sleep_readies_wait_for_the_same_end_up_to_a_bound(h: Harness) -> None:
+def test_retried_sleep_readies_all_get_the_same_end_and_a_flood_loses_its_own_oldest(h: Harness) -> None:
     reg = holding(h, "a")
-    sleep_id = quiesced(h, "a", reg)
+    sleep_id = quiesced(h, "a", reg)  # request 5 from b"tenant"
     args = h.auth("a", reg["token"], sleep_id=sleep_id)
-    assert [send(h, b"tenant", 8 + i, "sleep_ready", **args) for i in range(3)] == [None] * 3
-    over = send(h, b"tenant", 11, "sleep_ready", **args)
-    assert over is not None and over["error"]["code"] == "CONFLICT" and "already wait" in over["error"]["message"]
+    assert send(h, b"other", 6, "sleep_ready", **args) is None  # a retry from a new connection
+    flood = [send(h, b"tenant", 100 + i, "sleep_ready", **args) for i in range(sleep_module.MAX_ANSWERS)]
+    assert flood == [None] * sleep_module.MAX_ANSWERS  # never an answer before the end
     h.service.sleeper.copies.run_all()
-    answered = replies_to(h, b"tenant")
-    assert [r["id"] for r in answered] == [5, 8, 9, 10]
-    assert all(r["result"]["state"] == "sleeping-warm" for r in answered)
+    answered = replies_to(h, b"tenant") + replies_to(h, b"other")
+    assert all(r["ok"] and r["result"]["state"] == "sleeping-warm" for r in answered)
+    ids = sorted(r["id"] for r in answered)  # the flooding peer lost its oldest: 5 and 100
+    assert ids == [6, *range(101, 100 + sleep_module.MAX_ANSWERS)]
+
+
+def test_a_wake_flood_never_tells_a_caller_no_while_the_wake_goes_on(h: Harness) -> None:
+    reg = holding(h, "a")
+    quiesced(h, "a", reg)
+    h.service.sleeper.copies.run_all()
+    h.replies.clear()
+    num_callers = sleep_module.MAX_ANSWERS + 3
+    for i in range(num_callers):
+        assert send(h, f"c{i}".encode(), 200 + i, "wake", name="a") is None
+    h.service.sleeper.copies.run_all()
+    answered = {decode(payload)["id"]: decode(payload) for _, payload in h.replies}
+    assert all(r["ok"] and r["result"]["state"] == "active" for r in answered.values())
+    assert 200 in answered and len(answered) == sleep_module.MAX_ANSWERS  # the first caller's kept
 
 
 def test_a_wake_that_waited_for_pages_is_answered_when_its_copy_ends(h: Harness) -> None:
@@ -224,3 +240,20 @@ def test_a_grow_waiting_for_pages_gets_those_a_sleep_frees_when_its_copy_ends(h:
         step(h)
     (answer,) = replies_to(h, b"b")
     assert answer["id"] == 50 and answer["ok"] and len(answer["result"]["pages"]) == 6
+
+
+def test_a_daemon_stopping_mid_copy_tells_each_caller_what_did_not_happen(h: Harness) -> None:
+    reg, other = holding(h, "a"), holding(h, "b")
+    quiesced(h, "a", reg)
+    h.service.sleeper.copies.run_all()
+    assert send(h, b"admin", 60, "wake", name="a") is None
+    assert h.service.dispatch(b"admin", request(61, "sleep", {"name": "b", "mode": "warm"})) is None
+    notice = h.leases.notices[-1][1]
+    assert send(h, b"b", 62, "sleep_ready", **h.auth("b", other["token"], sleep_id=notice["args"]["sleep_id"])) is None
+    step(h, 2)
+    for tenant in list(h.service.tenants):
+        h.service.forget_sleep(tenant, stopping=True)
+    errors = {r["id"]: r.get("error") for r in replies_to(h, b"admin") + replies_to(h, b"b") if r["id"] >= 60}
+    assert errors[60]["message"] == "the daemon stopped before the tenant woke"
+    assert errors[61]["message"] == errors[62]["message"] == "the daemon stopped before the tenant slept"
+    assert not h.service.sleeper.copies.busy
