@@ -9,16 +9,17 @@ on the host backend ``memmove`` on several threads, on CUDA asynchronous copies
 in chunks through page-locked memory).
 
 Host buffers are backed before the copy lands in them (``MADV_POPULATE_WRITE``,
-in bulk, on several threads) and kept for the next sleep of the same size
+in bulk, on several threads of their own: ``Backing``, off the daemon's loop,
+as the buffer is no one else's) and kept for the next sleep of the same size
 (``BufferCache``): first-touch faults, one per 4 KiB in the middle of a copy,
 cost more than the copy. (Transparent huge pages are not asked for: a fresh
 huge page can cost far more to fault in than the 512 small ones it replaces.)
 
-``save``, ``restore`` and ``BufferCache.take_steps`` are generators that do one
-slice per step (``kvdaemon.daemon.copies``; ``Pacer``: about 10 ms each, at most
-the backend's ``copy_slice_bytes``, less where the memory is fresh and faults in
-as it is written): the daemon's loop serves other tenants between slices.
-Closed early, a save gives its buffer back and saves nothing.
+``save`` and ``restore`` are generators that copy one slice per step
+(``kvdaemon.daemon.copies``; ``Pacer``: about 10 ms each, at most the backend's
+``copy_slice_bytes``, less where pages are fresh and fault in as they are
+written): the daemon's loop serves other tenants between slices. Closed
+early, a save gives its buffer back and saves nothing.
 
 Cost: one bulk copy each way; host memory equal to the tenant's mapped bytes
 while it sleeps, plus at most the cache's bound after.
@@ -27,6 +28,7 @@ while it sleeps, plus at most the cache's bound after.
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 from collections.abc import Callable, Generator
 from pathlib import Path
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 
 from kvdaemon.cuda_vmm import host_copy
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
-from kvdaemon.daemon.copies import FIRST_SLICE_BYTES, Pacer, run_through
+from kvdaemon.daemon.copies import BUDGET_S, FIRST_SLICE_BYTES, Pacer, run_through
 from kvdaemon.errors import BackendError
 
 
@@ -85,26 +87,22 @@ class BufferCache:
 
     def take_steps(self, size: int, largest: int | None = None) -> Generator[None, None, mmap.mmap]:
         """A buffer of at least ``size`` bytes, backed: a kept one at most ``MAX_SLACK`` times
-        ``size`` (and at most ``largest``), else a new one of ``size``, backed a slice per step."""
+        ``size`` (and at most ``largest``), else a new one of ``size``, backed by a thread of
+        its own (``Backing``) while each step waits for it at most ``BUDGET_S``."""
         most = self.MAX_SLACK * size if largest is None else min(self.MAX_SLACK * size, largest)
         fits = [(len(b), i) for i, (b, _) in enumerate(self._buffers) if size <= len(b) <= most]
         if fits:
             return self._buffers.pop(min(fits)[1])[0]
-        buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        backing = Backing(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+        backing.start()
         try:
-            with memoryview(buffer) as view:
-                address = host_copy.address_of(view)
-            unit = self.backend.page_size_bytes
-
-            def populate(first: int, count: int) -> None:  # backed now, in bulk
-                host_copy.populate(address + first * unit, min(count * unit, size - first * unit))
-
-            pacer = Pacer(self.backend.copy_slice_bytes, unit, FIRST_SLICE_BYTES)
-            yield from pacer.run(-(-size // unit), populate)
+            while not backing.wait(BUDGET_S):
+                yield
+            buffer = backing.result()
             with memoryview(buffer) as view:
                 self.backend.pin_host(view)  # page-locked on CUDA: DMA straight in
         except BaseException:  # closed early too: the memory goes back to the OS
-            buffer.close()
+            backing.discard()
             raise
         return buffer
 
@@ -138,6 +136,51 @@ class BufferCache:
         self.backend.unpin_host(view)
         view.release()
         buffer.close()
+
+
+class Backing:
+    """A new host buffer backed (``host_copy.populate``) on a thread of its own: fresh memory is
+    the kernel zeroing every page, seconds per GiB on some hosts, and the buffer is no one
+    else's, so the daemon's loop need not wait for it. ``discard`` gives the memory back once
+    the thread is done with it (at once, or when it ends). Cost: one thread per new buffer."""
+
+    def __init__(self, buffer: mmap.mmap) -> None:
+        self.buffer = buffer
+        self._error: OSError | None = None
+        self._discarded = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvdaemon-backing", daemon=True)
+
+    def start(self) -> None:
+        with memoryview(self.buffer) as view:
+            self._address = host_copy.address_of(view)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            host_copy.populate(self._address, len(self.buffer))
+        except OSError as exc:
+            self._error = exc
+        with self._lock:
+            if self._discarded:
+                self.buffer.close()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the buffer is backed (or failed to be), waiting at most ``timeout_s``."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def result(self) -> mmap.mmap:
+        """The backed buffer; the ``OSError`` that stopped its backing (no memory) is raised."""
+        if self._error is not None:
+            raise self._error
+        return self.buffer
+
+    def discard(self) -> None:
+        with self._lock:
+            self._discarded = True
+            if not self._thread.is_alive():
+                self.buffer.close()
 
 
 @dataclass

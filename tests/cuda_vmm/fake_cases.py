@@ -339,7 +339,7 @@ def backend_sliced_swap_round_trips_with_other_work_between_slices() -> None:
         num_steps += 1
         other = backend.create_page(20 + num_steps)  # the loop's work between two slices
         backend.copy_in(other, memoryview(bytearray(b"\xee") * PAGE))
-    assert num_steps >= 4, "a page per step: the buffer backed, then the copy"
+    assert num_steps >= 3, "a page per step of the copy"
     fresh = {lp: [backend.create_page(10 + 2 * lp), backend.create_page(11 + 2 * lp)] for lp in range(2)}
     run_through(swap.restore(backend, copy, fresh))
     out = bytearray(PAGE)

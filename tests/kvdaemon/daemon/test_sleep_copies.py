@@ -125,11 +125,17 @@ def test_a_big_warm_wake_sends_its_grant_only_once_the_bytes_are_in(h: Harness) 
     assert h.ok("status")["tenants"][0]["copying"] is None
 
 
-def test_a_wake_while_the_sleep_copies_cancels_it_and_frees_nothing(h: Harness) -> None:
+def test_a_wake_while_the_sleep_copies_cancels_it_and_frees_nothing(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
     reg = holding(h, "a")
     before = contents(h, "a")
+    num_slices = []
+    real = h.backend.copy_out_pages
+    monkeypatch.setattr(h.backend, "copy_out_pages", lambda *a: num_slices.append(1) or real(*a))
     sleep_id = quiesced(h, "a", reg)
-    step(h, 8)  # six slices back the new host buffer, then two of the copy
+    while len(num_slices) < 2:  # the host buffer backed, two of the six slices copied
+        step(h)
     assert h.ok("wake", name="a") == {"state": "active", "mapped_bytes": 6 * PAGE_BYTES, "cancelled_sleep": True}
     assert not h.service.sleeper.copies.busy
     (tenant_reply,) = replies_to(h, b"tenant")

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from kvdaemon.cuda_vmm import HostBackend
+from kvdaemon.daemon import swap
+from kvdaemon.daemon.copies import run_through
 from kvdaemon.daemon.swap import BufferCache
 
 from tests.conftest import PAGE_BYTES
@@ -65,3 +69,58 @@ def test_buffers_unused_for_a_while_are_trimmed(backend: HostBackend) -> None:
     assert cache.trim(BufferCache.KEEP_S) == 1
     assert old.closed and not recent.closed
     assert cache.trim(BufferCache.KEEP_S * 2) == 1 and cache.cached_bytes == 0
+
+
+class GatedPopulate:
+    """``host_copy.populate`` held until ``release``; it may fail instead."""
+
+    def __init__(self, error: OSError | None = None) -> None:
+        self.gate = threading.Event()
+        self.error = error
+        self.calls = 0
+
+    def __call__(self, addr: int, size: int) -> bool:
+        self.calls += 1
+        self.gate.wait(10)
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_a_new_buffer_is_backed_off_the_loop_while_the_steps_wait(
+    backend: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    populate = GatedPopulate()
+    monkeypatch.setattr(swap.host_copy, "populate", populate)
+    steps = BufferCache(1 << 20, backend).take_steps(64 * KiB)
+    for _ in range(3):
+        next(steps)  # each step waits a little and gives the loop back
+    assert populate.calls == 1
+    populate.gate.set()
+    buffer = run_through(steps)
+    assert len(buffer) == 64 * KiB and not buffer.closed
+
+
+def test_a_buffer_dropped_mid_backing_goes_back_once_its_thread_ends(
+    backend: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    populate = GatedPopulate()
+    monkeypatch.setattr(swap.host_copy, "populate", populate)
+    made: list[swap.Backing] = []
+    real = swap.Backing
+    monkeypatch.setattr(swap, "Backing", lambda buffer: made.append(real(buffer)) or made[-1])
+    steps = BufferCache(1 << 20, backend).take_steps(64 * KiB)
+    next(steps)
+    (backing,) = made
+    steps.close()  # a cancelled sleep: the thread still writes the buffer, so it stays open
+    assert not backing.buffer.closed
+    populate.gate.set()
+    assert backing.wait(5) and backing.buffer.closed
+
+
+def test_a_buffer_that_cannot_be_backed_fails_the_take(backend: HostBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    populate = GatedPopulate(OSError(errno.ENOMEM, "Cannot allocate memory"))
+    populate.gate.set()
+    monkeypatch.setattr(swap.host_copy, "populate", populate)
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        BufferCache(1 << 20, backend).take(64 * KiB)
