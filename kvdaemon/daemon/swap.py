@@ -10,7 +10,8 @@ in chunks through page-locked memory).
 
 Host buffers are backed before the copy lands in them (``MADV_POPULATE_WRITE``,
 in bulk, on several threads of their own: ``Backing``, off the daemon's loop,
-as the buffer is no one else's) and kept for the next sleep of the same size
+as the buffer is no one else's; pinned there too on CUDA) and kept for the next
+sleep of the same size
 (``BufferCache``): first-touch faults, one per 4 KiB in the middle of a copy,
 cost more than the copy. (Transparent huge pages are not asked for: a fresh
 huge page can cost far more to fault in than the 512 small ones it replaces.)
@@ -93,18 +94,15 @@ class BufferCache:
         fits = [(len(b), i) for i, (b, _) in enumerate(self._buffers) if size <= len(b) <= most]
         if fits:
             return self._buffers.pop(min(fits)[1])[0]
-        backing = Backing(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+        backing = Backing(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), self.backend)
         backing.start()
         try:
             while not backing.wait(BUDGET_S):
                 yield
-            buffer = backing.result()
-            with memoryview(buffer) as view:
-                self.backend.pin_host(view)  # page-locked on CUDA: DMA straight in
+            return backing.result()
         except BaseException:  # closed early too: the memory goes back to the OS
             backing.discard()
             raise
-        return buffer
 
     def give(self, buffer: mmap.mmap) -> None:
         if len(buffer) > self.max_bytes:
@@ -139,14 +137,17 @@ class BufferCache:
 
 
 class Backing:
-    """A new host buffer backed (``host_copy.populate``) on a thread of its own: fresh memory is
-    the kernel zeroing every page, seconds per GiB on some hosts, and the buffer is no one
-    else's, so the daemon's loop need not wait for it. ``discard`` gives the memory back once
-    the thread is done with it (at once, or when it ends). Cost: one thread per new buffer."""
+    """A new host buffer backed (``host_copy.populate``) and pinned (``Backend.pin_host``: page-
+    locked on CUDA, DMA straight in) on a thread of its own: fresh memory is the kernel zeroing
+    every page, seconds per GiB on some hosts, and the buffer is no one else's, so the daemon's
+    loop need not wait for it. ``discard`` gives the memory back once the thread is done with
+    it (at once, or when it ends). Cost: one thread per new buffer."""
 
-    def __init__(self, buffer: mmap.mmap) -> None:
+    def __init__(self, buffer: mmap.mmap, backend: Backend) -> None:
         self.buffer = buffer
-        self._error: OSError | None = None
+        self.backend = backend
+        self._error: BackendError | OSError | None = None
+        self._pinned = False
         self._discarded = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvdaemon-backing", daemon=True)
@@ -159,19 +160,22 @@ class Backing:
     def _run(self) -> None:
         try:
             host_copy.populate(self._address, len(self.buffer))
-        except OSError as exc:
+            with memoryview(self.buffer) as view:
+                self.backend.pin_host(view)
+            self._pinned = True
+        except (BackendError, OSError) as exc:
             self._error = exc
         with self._lock:
             if self._discarded:
-                self.buffer.close()
+                self._release()
 
     def wait(self, timeout_s: float) -> bool:
-        """Whether the buffer is backed (or failed to be), waiting at most ``timeout_s``."""
+        """Whether the buffer is ready (or failed to be), waiting at most ``timeout_s``."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
     def result(self) -> mmap.mmap:
-        """The backed buffer; the ``OSError`` that stopped its backing (no memory) is raised."""
+        """The ready buffer; the error that stopped it (no memory, no pinning) is raised."""
         if self._error is not None:
             raise self._error
         return self.buffer
@@ -180,7 +184,13 @@ class Backing:
         with self._lock:
             self._discarded = True
             if not self._thread.is_alive():
-                self.buffer.close()
+                self._release()
+
+    def _release(self) -> None:
+        if self._pinned:
+            with memoryview(self.buffer) as view:
+                self.backend.unpin_host(view)
+        self.buffer.close()
 
 
 @dataclass

@@ -108,7 +108,7 @@ def test_a_buffer_dropped_mid_backing_goes_back_once_its_thread_ends(
     monkeypatch.setattr(swap.host_copy, "populate", populate)
     made: list[swap.Backing] = []
     real = swap.Backing
-    monkeypatch.setattr(swap, "Backing", lambda buffer: made.append(real(buffer)) or made[-1])
+    monkeypatch.setattr(swap, "Backing", lambda *args: made.append(real(*args)) or made[-1])
     steps = BufferCache(1 << 20, backend).take_steps(64 * KiB)
     next(steps)
     (backing,) = made
