@@ -28,6 +28,7 @@ while it sleeps, plus at most the cache's bound after.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 import time
@@ -41,6 +42,8 @@ from kvdaemon.cuda_vmm import host_copy
 from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.daemon.copies import BUDGET_S, FIRST_SLICE_BYTES, Pacer, run_through
 from kvdaemon.errors import BackendError
+
+log = logging.getLogger("kvdaemon.swap")
 
 
 def host_memory_bytes(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
@@ -148,6 +151,7 @@ class Backing:
         self.backend = backend
         self._error: BackendError | OSError | None = None
         self._pinned = False
+        self._done = False  # the thread no longer touches the buffer (set under the lock)
         self._discarded = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="kvdaemon-backing", daemon=True)
@@ -166,6 +170,7 @@ class Backing:
         except (BackendError, OSError) as exc:
             self._error = exc
         with self._lock:
+            self._done = True
             if self._discarded:
                 self._release()
 
@@ -183,13 +188,16 @@ class Backing:
     def discard(self) -> None:
         with self._lock:
             self._discarded = True
-            if not self._thread.is_alive():
+            if self._done:
                 self._release()
 
     def _release(self) -> None:
-        if self._pinned:
-            with memoryview(self.buffer) as view:
-                self.backend.unpin_host(view)
+        try:
+            if self._pinned:
+                with memoryview(self.buffer) as view:
+                    self.backend.unpin_host(view)
+        except BackendError as exc:  # the backend closed meanwhile (the daemon stopping)
+            log.warning("a host buffer could not be unpinned: %s", exc)
         self.buffer.close()
 
 
