@@ -121,12 +121,20 @@ class BufferCache:
             self._close(self._buffers.pop(0)[0])
 
     def trim(self, now: float) -> int:
-        """Release the buffers unused for ``KEEP_S``; return how many."""
+        """Release the buffers unused for ``KEEP_S`` on a thread of its own (unpinning and
+        unmapping GiBs takes a few hundred ms, and nobody waits for the memory); return how many."""
         old = [b for b, given_at in self._buffers if now - given_at >= self.KEEP_S]
         self._buffers = [(b, t) for b, t in self._buffers if now - t < self.KEEP_S]
-        for buffer in old:
-            self._close(buffer)
+        if old:
+            threading.Thread(target=self._close_all, args=(old,), name="kvdaemon-trim", daemon=True).start()
         return len(old)
+
+    def _close_all(self, buffers: list[mmap.mmap]) -> None:
+        for buffer in buffers:
+            try:
+                self._close(buffer)
+            except BackendError as exc:  # the backend closed meanwhile (the daemon stopping)
+                log.warning("a host buffer could not be unpinned: %s", exc)
 
     def clear(self) -> None:
         while self._buffers:

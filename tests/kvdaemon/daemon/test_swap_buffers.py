@@ -14,7 +14,7 @@ from kvdaemon.daemon import swap
 from kvdaemon.daemon.copies import run_through
 from kvdaemon.daemon.swap import BufferCache
 
-from tests.conftest import PAGE_BYTES
+from tests.conftest import PAGE_BYTES, wait_until
 
 KiB = 1024
 
@@ -66,9 +66,11 @@ def test_buffers_unused_for_a_while_are_trimmed(backend: HostBackend) -> None:
     clock.now = BufferCache.KEEP_S / 2
     recent = cache.take(mmap.PAGESIZE * 4)
     cache.give(recent)
-    assert cache.trim(BufferCache.KEEP_S) == 1
-    assert old.closed and not recent.closed
+    assert cache.trim(BufferCache.KEEP_S) == 1 and cache.cached_bytes == len(recent)
+    wait_until(lambda: old.closed, 5, "the trimmed buffer was not unmapped")  # on a thread of its own
+    assert not recent.closed
     assert cache.trim(BufferCache.KEEP_S * 2) == 1 and cache.cached_bytes == 0
+    wait_until(lambda: recent.closed, 5, "the trimmed buffer was not unmapped")
 
 
 class GatedPopulate:
