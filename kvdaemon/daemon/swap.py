@@ -131,20 +131,14 @@ class BufferCache:
 
     def _close_all(self, buffers: list[mmap.mmap]) -> None:
         for buffer in buffers:
-            try:
-                self._close(buffer)
-            except BackendError as exc:  # the backend closed meanwhile (the daemon stopping)
-                log.warning("a host buffer could not be unpinned: %s", exc)
+            self._close(buffer)
 
     def clear(self) -> None:
         while self._buffers:
             self._close(self._buffers.pop()[0])
 
     def _close(self, buffer: mmap.mmap) -> None:
-        view = memoryview(buffer)
-        self.backend.unpin_host(view)
-        view.release()
-        buffer.close()
+        _unpin_and_close(self.backend, buffer)
 
 
 class Backing:
@@ -200,13 +194,21 @@ class Backing:
                 self._release()
 
     def _release(self) -> None:
-        try:
-            if self._pinned:
-                with memoryview(self.buffer) as view:
-                    self.backend.unpin_host(view)
-        except BackendError as exc:  # the backend closed meanwhile (the daemon stopping)
-            log.warning("a host buffer could not be unpinned: %s", exc)
-        self.buffer.close()
+        if self._pinned:
+            _unpin_and_close(self.backend, self.buffer)
+        else:
+            self.buffer.close()
+
+
+def _unpin_and_close(backend: Backend, buffer: mmap.mmap) -> None:
+    """Give a pinned host buffer back to the OS; an unpin that fails (the backend closed
+    meanwhile, as the daemon stops) is logged and the memory still goes."""
+    try:
+        with memoryview(buffer) as view:
+            backend.unpin_host(view)
+    except BackendError as exc:
+        log.warning("a host buffer could not be unpinned: %s", exc)
+    buffer.close()
 
 
 @dataclass
