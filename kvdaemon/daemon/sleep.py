@@ -300,14 +300,22 @@ def _replies(waiter: PendingReply | None, answers: list[PendingReply]) -> list[P
     return answers if waiter is None else [waiter, *answers]
 
 
-def park(replies: list[PendingReply], reply: PendingReply | None) -> None:
-    """Park ``reply`` until a copy ends: every parked call gets the copy's final answer, never
-    an answer that could disagree with it. Past ``MAX_ANSWERS`` one parked call is dropped,
-    unanswered: the oldest of ``reply``'s own peer (it sent again), else the oldest after the
-    first caller's. O(MAX_ANSWERS)."""
+def park(replies: list[PendingReply], reply: PendingReply | None, busy: str | None = None) -> None:
+    """Park ``reply`` until a copy ends: every parked call gets the copy's final answer.
+
+    A peer's newer call takes the place of its older one (left unanswered: the peer sent
+    again). Past ``MAX_ANSWERS`` peers, with ``busy`` (a wake: a refusal decides nothing) the
+    call is refused, ``Conflict(busy)``; without (a tenant's own ``sleep_ready``: any error
+    would make it map back pages the end may free) the oldest after the first caller's is
+    dropped, unanswered. O(MAX_ANSWERS).
+    """
     if reply is None:
         return
-    if len(replies) >= MAX_ANSWERS:
-        own = [i for i, parked in enumerate(replies) if parked.routing_id == reply.routing_id]
-        del replies[own[0] if own else min(1, len(replies) - 1)]
+    own = [i for i, parked in enumerate(replies) if parked.routing_id == reply.routing_id]
+    if own:
+        del replies[own[0]]
+    elif len(replies) >= MAX_ANSWERS:
+        if busy is not None:
+            raise Conflict(f"{busy}; {MAX_ANSWERS} callers already wait for it: ask again when it is done")
+        del replies[min(1, len(replies) - 1)]
     replies.append(reply)

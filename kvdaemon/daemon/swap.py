@@ -146,12 +146,15 @@ class Backing:
     locked on CUDA, DMA straight in) on a thread of its own: fresh memory is the kernel zeroing
     every page, seconds per GiB on some hosts, and the buffer is no one else's, so the daemon's
     loop need not wait for it. ``discard`` gives the memory back once the thread is done with
-    it (at once, or when it ends). Cost: one thread per new buffer."""
+    it (at once, or when it ends; a thread still backing it stops within ``PIECE_BYTES``).
+    Cost: one thread per new buffer."""
+
+    PIECE_BYTES = 64 << 20  # backed at once, between two looks at ``discard``
 
     def __init__(self, buffer: mmap.mmap, backend: Backend) -> None:
         self.buffer = buffer
         self.backend = backend
-        self._error: BackendError | OSError | None = None
+        self._error: Exception | None = None
         self._pinned = False
         self._done = False  # the thread no longer touches the buffer (set under the lock)
         self._discarded = False
@@ -165,11 +168,16 @@ class Backing:
 
     def _run(self) -> None:
         try:
-            host_copy.populate(self._address, len(self.buffer))
-            with memoryview(self.buffer) as view:
-                self.backend.pin_host(view)
-            self._pinned = True
-        except (BackendError, OSError) as exc:
+            size = len(self.buffer)
+            for start in range(0, size, self.PIECE_BYTES):  # a dropped buffer stops within a piece
+                if self._discarded:
+                    break
+                host_copy.populate(self._address + start, min(self.PIECE_BYTES, size - start))
+            else:
+                with memoryview(self.buffer) as view:
+                    self.backend.pin_host(view)
+                self._pinned = True
+        except Exception as exc:  # the thread's boundary: whatever stopped it is the take's error
             self._error = exc
         with self._lock:
             self._done = True
@@ -182,9 +190,12 @@ class Backing:
         return not self._thread.is_alive()
 
     def result(self) -> mmap.mmap:
-        """The ready buffer; the error that stopped it (no memory, no pinning) is raised."""
-        if self._error is not None:
+        """The ready buffer; the error that stopped it is raised (``OSError``: no memory;
+        ``BackendError``: no pinning; anything else as a ``BackendError``)."""
+        if isinstance(self._error, (BackendError, OSError)):
             raise self._error
+        if self._error is not None:
+            raise BackendError(f"a host buffer could not be made ready: {type(self._error).__name__}: {self._error}")
         return self.buffer
 
     def discard(self) -> None:

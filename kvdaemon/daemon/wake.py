@@ -60,7 +60,7 @@ class Waker:
             self.sleeper.cancel(tenant, pending, f"{why} before it slept")  # the later word: nothing was freed
             return {"state": tenant.state.value, "mapped_bytes": tenant.mapped_bytes, "cancelled_sleep": True}
         if tenant.waking is not None:
-            park(tenant.waking.waiters, waiter)
+            park(tenant.waking.waiters, waiter, f"tenant {tenant.name!r} is {tenant.copying}")
             return None
         warm = tenant.warm
         if warm is None:

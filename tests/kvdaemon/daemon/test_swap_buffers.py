@@ -13,6 +13,7 @@ from kvdaemon.cuda_vmm import HostBackend
 from kvdaemon.daemon import swap
 from kvdaemon.daemon.copies import run_through
 from kvdaemon.daemon.swap import BufferCache
+from kvdaemon.errors import BackendError
 
 from tests.conftest import PAGE_BYTES, wait_until
 
@@ -125,4 +126,30 @@ def test_a_buffer_that_cannot_be_backed_fails_the_take(backend: HostBackend, mon
     populate.gate.set()
     monkeypatch.setattr(swap.host_copy, "populate", populate)
     with pytest.raises(OSError, match="Cannot allocate memory"):
+        BufferCache(1 << 20, backend).take(64 * KiB)
+
+
+def test_a_buffer_dropped_mid_backing_stops_being_backed(
+    backend: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    populate = GatedPopulate()
+    monkeypatch.setattr(swap.host_copy, "populate", populate)
+    monkeypatch.setattr(swap.Backing, "PIECE_BYTES", 16 * KiB)  # four pieces
+    made: list[swap.Backing] = []
+    real = swap.Backing
+    monkeypatch.setattr(swap, "Backing", lambda *args: made.append(real(*args)) or made[-1])
+    steps = BufferCache(1 << 20, backend).take_steps(64 * KiB)
+    next(steps)  # the first piece is being backed
+    steps.close()
+    populate.gate.set()
+    assert made[0].wait(5) and made[0].buffer.closed
+    assert populate.calls == 1  # the three pieces left were never backed
+
+
+def test_any_failure_of_the_backing_thread_fails_the_take(backend: HostBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    def cannot_start_a_thread(_addr: int, _size: int) -> bool:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(swap.host_copy, "populate", cannot_start_a_thread)
+    with pytest.raises(BackendError, match="could not be made ready: RuntimeError: can't start new thread"):
         BufferCache(1 << 20, backend).take(64 * KiB)
