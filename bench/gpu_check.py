@@ -26,6 +26,7 @@ Checks, in order (``gpu_backend_checks``, ``gpu_pointer_checks``,
 - ``zeroed_pages``: created pages read zero after the memory held other bytes.
 - ``kernel_pointers``: Triton kernels launch over caches with only page 0 mapped.
 - ``swap_copy``: page copies to and from pinned host memory, bandwidth.
+- ``swap_sliced``: the daemon's sliced warm copy (buffer pinned on its own thread) against one whole copy.
 - ``attention``: Triton against the torch path (fp32/fp16/bf16), decode bandwidth.
 - ``pool_pointers``: a pool that returned every page it could still launches kernels.
 - ``engine``: the transformers ``Engine`` over cuda daemon KV equals ``generate``.
@@ -62,6 +63,7 @@ CHECKS: dict[str, str] = {
     "zeroed_pages": "gpu_backend_checks:check_zeroed_pages",
     "kernel_pointers": "gpu_pointer_checks:check_kernel_pointers",
     "swap_copy": "gpu_backend_checks:check_swap_copy",
+    "swap_sliced": "gpu_swap_check:check_swap_sliced",
     "attention": "gpu_attention:gpu_attention_check",
     "pool_pointers": "gpu_pointer_checks:check_pool_pointers",
     "engine": "gpu_engine:gpu_engine_check",

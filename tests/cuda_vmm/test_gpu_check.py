@@ -32,16 +32,16 @@ def gpu_check(*args: str) -> list[str]:
 
 def test_every_failing_check_is_reported_and_the_run_goes_on(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check.json"
-    done = subprocess.run(gpu_check("--only", "cuda_start", "zeroed_pages", "--json", str(out)),
+    done = subprocess.run(gpu_check("--only", "cuda_start", "zeroed_pages", "swap_sliced", "--json", str(out)),
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 1
     lines = done.stdout.splitlines()
     assert [line.split()[:2] for line in lines if line.startswith(("PASS", "FAIL"))] == [
-        ["FAIL", "cuda_start"], ["FAIL", "zeroed_pages"]]
-    assert any(line.startswith("SUMMARY  0 passed, 2 failed") for line in lines)
+        ["FAIL", "cuda_start"], ["FAIL", "zeroed_pages"], ["FAIL", "swap_sliced"]]
+    assert any(line.startswith("SUMMARY  0 passed, 3 failed") for line in lines)
     record = json.loads(out.read_text())
-    assert record["passed"] == 0 and record["failed"] == 2 and record["not_run"] == []
-    for name in ("cuda_start", "zeroed_pages"):
+    assert record["passed"] == 0 and record["failed"] == 3 and record["not_run"] == []
+    for name in ("cuda_start", "zeroed_pages", "swap_sliced"):
         assert record["checks"][name]["ok"] is False
         assert "Traceback" in record["checks"][name]["error"]
 
