@@ -452,8 +452,8 @@ class Service:
         stay quarantined until it does (``Quarantine``). ``why`` says which, for the log.
         """
         self.activity.flush(tenant, self.clock())
+        self.forget_sleep(tenant)  # a copy under way stops first (a wake's pages, never sent, go)
         held = not clean and self.quarantine.hold(tenant, why)
-        self.forget_sleep(tenant)  # a copy of its pages under way stops first
         num_pages = 0 if held else self.grants.release_all(tenant)
         self.tenants.remove(tenant)
         if logged:

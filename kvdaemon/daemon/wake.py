@@ -128,12 +128,13 @@ class Waker:
         return 0 if tenant.warm is None else len(tenant.warm.logical_pages)
 
     def forget(self, tenant: Tenant, why: KVDaemonError | None = None) -> None:
-        """Stop a removed tenant's copy back before its pages go, and tell its waiters ``why``
-        (default: the tenant went away)."""
+        """Stop a removed tenant's copy back and free the pages it was filling (never sent:
+        nobody maps them), and tell its waiters ``why`` (default: the tenant went away)."""
         waking, tenant.waking = tenant.waking, None
         if waking is None:
             return
         waking.job.cancel()
+        self.sleeper.grants.release_all(tenant)  # a sleeper holds only what its wake took
         for reply in waking.waiters:
             reply.fail(why or Conflict(f"tenant {tenant.name!r} went away while waking"))
 

@@ -269,3 +269,16 @@ def test_a_daemon_stopping_mid_copy_tells_each_caller_what_did_not_happen(h: Har
     assert errors[60]["message"] == "the daemon stopped before the tenant woke"
     assert errors[61]["message"] == errors[62]["message"] == "the daemon stopped before the tenant slept"
     assert not h.service.sleeper.copies.busy
+
+
+def test_a_tenant_whose_lease_ends_mid_wake_gets_no_quarantine_for_pages_it_never_had(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reg = holding(h, "a")
+    quiesced(h, "a", reg)
+    h.service.sleeper.copies.run_all()
+    assert send(h, b"admin", 70, "wake", name="a") is None
+    step(h, 2)
+    monkeypatch.setattr(h.service.quarantine, "started", lambda _pid: 123.0)  # its process lives on
+    h.service.remove(h.service.tenants.named("a"), "its lease ended", clean=False)
+    assert h.service.quarantine.held == [] and h.ok("status")["free_bytes"] == NUM_PAGES * PAGE_BYTES
