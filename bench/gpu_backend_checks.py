@@ -106,6 +106,20 @@ def map_run(backend: CudaBackend, addr: int, pages: list[PhysicalPage]) -> None:
         backend.map_page(addr + i * PAGE, page)
 
 
+def written_pages(backend: CudaBackend, num_pages: int, seed: int) -> tuple[int, list[PhysicalPage]]:
+    """``num_pages`` new pages mapped in a new range and filled with ``pattern(seed)``;
+    returns the range's address and the pages (still mapped there)."""
+    import torch
+
+    size = num_pages * PAGE
+    addr = backend.reserve(size)
+    pages = [backend.create_page(i) for i in range(num_pages)]
+    map_run(backend, addr, pages)
+    backend.tensor(addr, size, torch.int32).copy_(pattern(size // 4, seed=seed))
+    torch.cuda.synchronize()
+    return addr, pages
+
+
 def spread(name: str, samples_ns: list[int]) -> Figures:
     """Median and p99 of ``samples_ns`` as ``{name}_median_us`` and ``{name}_p99_us``."""
     seconds = [s / 1e9 for s in samples_ns]
@@ -573,11 +587,7 @@ def check_swap_copy() -> Figures:
 
     size = VIEW_PAGES * PAGE
     with started(CudaBackend(num_pages=2 * VIEW_PAGES)) as backend:
-        addr = backend.reserve(size)
-        pages = [backend.create_page(i) for i in range(VIEW_PAGES)]
-        map_run(backend, addr, pages)
-        backend.tensor(addr, size, torch.int32).copy_(pattern(size // 4, seed=5))
-        torch.cuda.synchronize()
+        addr, pages = written_pages(backend, VIEW_PAGES, seed=5)
         host = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         view = memoryview(host)
         backend.pin_host(view)  # page-locked, as the daemon's warm copies are

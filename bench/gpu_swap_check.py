@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from gpu_backend_checks import PAGE, Figures, check_copy, map_run, pattern, started
+from gpu_backend_checks import PAGE, Figures, check_copy, map_run, started, written_pages
 
 SLICED_PAGES = 512  # 1 GiB: four slices of 256 MiB each way
 
@@ -32,11 +32,7 @@ def check_swap_sliced() -> Figures:
 
     size = SLICED_PAGES * PAGE
     with started(CudaBackend(num_pages=3 * SLICED_PAGES)) as backend:
-        addr = backend.reserve(size)
-        pages = [backend.create_page(i) for i in range(SLICED_PAGES)]
-        map_run(backend, addr, pages)
-        backend.tensor(addr, size, torch.int32).copy_(pattern(size // 4, seed=7))
-        torch.cuda.synchronize()
+        addr, pages = written_pages(backend, SLICED_PAGES, seed=7)
         backend.unmap(addr, size)
         cache = swap.BufferCache(2 * size, backend)
         logical = {lp: [page] for lp, page in enumerate(pages)}

@@ -3,8 +3,9 @@
 A warm sleep or wake of a big tenant moves GiBs between its pages and host
 memory; done in one go it would hold the loop (every other tenant's grows and
 heartbeats, the CLI) for seconds, and a tenant may ask for its own sleep and
-wake as often as it likes. A copy is a generator that moves one slice
-(the backend's ``copy_slice_bytes``) per ``next`` and returns its result at the end.
+wake as often as it likes. A copy is a generator that moves one slice per
+``next`` (sized by a ``Pacer``: about ``BUDGET_S``, at most the backend's
+``copy_slice_bytes``) and returns its result at the end.
 ``Copies.step`` advances the jobs in turn, a slice each, for at most
 ``BUDGET_S``; then the loop serves what came meanwhile, and polls without
 waiting while a job is left.
@@ -60,7 +61,6 @@ class Pacer:
         self, max_bytes: int, unit_bytes: int, first_bytes: int, budget_s: float = BUDGET_S,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.unit_bytes = unit_bytes
         self.max_units = max(1, max_bytes // unit_bytes)
         self.budget_s = budget_s
         self.clock = clock

@@ -177,7 +177,10 @@ class Backing:
                 with memoryview(self.buffer) as view:
                     self.backend.pin_host(view)
                 self._pinned = True
-        except Exception as exc:  # the thread's boundary: whatever stopped it is the take's error
+        except (BackendError, OSError) as exc:  # no memory, no pinning: the take's error
+            self._error = exc
+        except Exception as exc:  # the thread's boundary: a bug fails the take, with its traceback logged
+            log.exception("backing a host buffer failed")
             self._error = exc
         with self._lock:
             self._done = True
