@@ -182,11 +182,18 @@ class PoolCore:
                     and time.monotonic() - self.refused_at < REFUSED_S):  # fmt: skip
                 raise PoolExhausted(f"pool {self.name!r}: the daemon had no memory free just now")
             skip = self.lease.in_flight | self.pending_return
-            candidates = self.allocator.unmapped_pages(min(needed + self.num_prefetch_pages, self.max_grant_pages), skip)
-            if probe:  # ahead of need: what the limit and the virtual range allow, maybe nothing
-                needed = min(needed, len(candidates), self.headroom_pages())
+            num_wanted = min(needed + self.num_prefetch_pages, self.max_grant_pages)
+            candidates = self.allocator.unmapped_pages(num_wanted, skip)
+            mappable = self.segments.mappable_pages()
+            if probe:  # ahead of need: what the limit, the virtual range and the OS allow, maybe nothing
+                needed = min(needed, len(candidates), self.headroom_pages(), mappable)
                 if needed <= 0:
                     return
+            if needed > mappable:
+                raise PoolExhausted(
+                    f"pool {self.name!r} needs {needed} more page(s); this process may map {mappable} more "
+                    f"(its memory mappings would pass vm.max_map_count): raise it (sysctl) or use a larger page size"
+                )
             if len(candidates) < needed:
                 raise PoolExhausted(
                     f"pool {self.name!r} has {self.allocator.num_blocks} blocks of virtual capacity; "

@@ -56,6 +56,10 @@ class SegmentMap:
         """A 1-D tensor over the first ``size_bytes`` of a segment (fixed address)."""
         return self.backend.tensor(self.bases[segment], size_bytes, dtype)
 
+    def mappable_pages(self) -> int:
+        """Logical pages this process may still map (``Backend.mappable_pages``). O(1)."""
+        return self.backend.mappable_pages() // self.num_segments
+
     def map(self, lp: int, pages: list[PhysicalPage]) -> None:
         """Map one page per segment at logical page ``lp``; on error nothing stays mapped."""
         offset = lp * self.page_bytes

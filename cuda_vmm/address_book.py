@@ -5,7 +5,13 @@ before a backend touches the OS or the driver, so both backends refuse bad
 input with the same messages.
 
 Invariants: ranges never overlap; every mapped slot lies inside exactly one
-range; a range's ``num_mapped`` equals the mapped slots inside it.
+range; a range's ``num_mapped`` equals the mapped slots inside it;
+``num_mappings`` is the ranges' runs of unmapped slots plus their mapped slots:
+the OS mappings (Linux VMAs) they make where no two mapped slots merge, so never
+fewer than the OS counts. Linux caps a process's mappings
+(``vm.max_map_count``), and a map past the cap fails and leaves the process
+unable to map anything (no thread, no ``malloc`` of a large block), so a backend
+that makes one mapping per slot passes ``max_mappings`` to ``mark_mapped``.
 Cost: finding a slot's range is O(log R) (bisect over R range starts); marking a
 slot mapped or unmapped is O(1).
 """
@@ -41,6 +47,7 @@ class AddressBook:
         self._ranges: dict[int, _Range] = {}
         self._mapped: dict[int, tuple[PhysicalPage, _Range]] = {}
         self._last: _Range = _Range(0, 0)  # the range found last: most calls hit it again
+        self.num_mappings = 0  # OS mappings the ranges make at most (see the module docstring)
 
     def check_size(self, size_bytes: int) -> None:
         """Raise unless ``size_bytes`` is a positive multiple of the page size."""
@@ -55,6 +62,7 @@ class AddressBook:
         """Record a new reservation at ``start``."""
         bisect.insort(self._starts, start)
         self._ranges[start] = _Range(start, size_bytes)
+        self.num_mappings += 1
 
     def remove_range(self, start: int) -> int:
         """Forget the range starting at ``start``; return its size. It must be unmapped."""
@@ -67,6 +75,7 @@ class AddressBook:
             )
         del self._ranges[start]
         self._starts.remove(start)
+        self.num_mappings -= 1
         if self._last is rng:
             self._last = _Range(0, 0)
         return rng.size_bytes
@@ -94,13 +103,22 @@ class AddressBook:
                 return rng
         raise BackendError(f"address {addr:#x} is not inside a reserved range")
 
-    def mark_mapped(self, addr: int, page: PhysicalPage) -> None:
-        """Check ``addr`` is a free slot and record ``page`` there."""
+    def mark_mapped(self, addr: int, page: PhysicalPage, max_mappings: int | None = None) -> None:
+        """Check ``addr`` is a free slot and record ``page`` there; refuse it when the ranges
+        would then make more than ``max_mappings`` OS mappings (``None``: no cap)."""
         if addr in self._mapped:
             raise BackendError(f"address {addr:#x} is already mapped; unmap it first")
         rng = self._range_of(addr)
+        num_split = self._unmapped_neighbours(addr, rng)
+        if max_mappings is not None and self.num_mappings + num_split > max_mappings:
+            raise BackendError(
+                f"mapping a page at {addr:#x} would make {self.num_mappings + num_split} memory mappings, past "
+                f"the {max_mappings} this process may use (vm.max_map_count less a share for the rest of the "
+                f"process): raise vm.max_map_count (sysctl) or use a larger page size"
+            )
         self._mapped[addr] = (page, rng)
         rng.num_mapped += 1
+        self.num_mappings += num_split
 
     def unmark_mapped(self, addr: int) -> PhysicalPage:
         """Forget the page mapped at ``addr``; it must be mapped."""
@@ -110,7 +128,18 @@ class AddressBook:
             raise BackendError(f"address {addr:#x} is not mapped")
         page, rng = entry
         rng.num_mapped -= 1
+        self.num_mappings -= self._unmapped_neighbours(addr, rng)
         return page
+
+    def _unmapped_neighbours(self, addr: int, rng: _Range) -> int:
+        """How many of slot ``addr``'s two neighbours in ``rng`` are unmapped: what mapping it adds
+        to ``num_mappings`` (a page splitting a run of reservation, ending one, or filling a
+        one-slot gap), and what unmapping it takes away. O(1)."""
+        page = self.page_size_bytes
+        left = addr - page
+        right = addr + page
+        return ((left >= rng.start and left not in self._mapped)
+                + (right < rng.start + rng.size_bytes and right not in self._mapped))
 
     def slots(self, addr: int, size_bytes: int) -> Iterator[int]:
         """Every slot address in ``[addr, addr + size_bytes)``, checked mapped first."""

@@ -96,6 +96,11 @@ class Backend(Protocol):
         """Release a page created or imported here; its memory goes back."""
         ...
 
+    def release_pages(self, pages: list[PhysicalPage]) -> list[tuple[PhysicalPage, BackendError]]:
+        """Release every page of ``pages`` as ``release_page`` does; return those whose release
+        failed, each with its error (the others are released)."""
+        ...
+
     def export_page(self, page: PhysicalPage) -> int:
         """A new fd for ``page``, owned by the caller (send it, then close it)."""
         ...
@@ -116,6 +121,11 @@ class Backend(Protocol):
         self, fds: list[int], page_ids: list[int], fd_index: list[int]
     ) -> list[PhysicalPage]:
         """The inverse of ``export_pages`` in another process. Takes ownership of fds."""
+        ...
+
+    def mappable_pages(self) -> int:
+        """Pages this process may still map before an OS cap on its mappings binds
+        (``sys.maxsize`` where none does). O(1)."""
         ...
 
     def map_page(self, addr: int, page: PhysicalPage) -> None:

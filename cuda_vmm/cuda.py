@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -247,6 +248,16 @@ class CudaBackend:
         self._imported.pop(id(page.handle), None)
         self._check(drv.cuMemRelease(page.handle), "cuMemRelease")
 
+    def release_pages(self, pages: list[PhysicalPage]) -> list[tuple[PhysicalPage, BackendError]]:
+        """One ``cuMemRelease`` per page (each is an allocation of its own)."""
+        failed: list[tuple[PhysicalPage, BackendError]] = []
+        for page in pages:
+            try:
+                self.release_page(page)
+            except BackendError as exc:
+                failed.append((page, exc))
+        return failed
+
     def export_page(self, page: PhysicalPage) -> int:
         drv = self._driver()
         kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -296,6 +307,10 @@ class CudaBackend:
             os.close(fd)
         self._imported[id(handle)] = handle
         return PhysicalPage(page_id, handle, 0)
+
+    def mappable_pages(self) -> int:
+        """No OS cap binds: ``cuMemMap`` adds no mapping of the process's own."""
+        return sys.maxsize
 
     def map_page(self, addr: int, page: PhysicalPage) -> None:
         drv = self._driver()

@@ -23,7 +23,17 @@ does); an unbacked one is only slower. Fresh memory costs a fault per 4 KiB on
 first touch, so the daemon may keep a warm sleeper's released pages backed for
 a wake (``recycles_released_pages``).
 
-Cost: map and unmap are one ``mmap`` syscall each; release is one ``fallocate``.
+Each mapped page is one mapping of the process's own (a VMA: pages granted in
+any order do not merge), and Linux caps them (``vm.max_map_count``, 65,530 by
+default); a map past the cap fails and leaves the process unable to map
+anything more, a thread's stack or a large ``malloc`` included. So the backend
+maps no page that would take its ranges past the cap less a share kept for the
+rest of the process (``max_mappings``), and says how many more pages it may map
+(``mappable_pages``): about 24,000 pages at the default cap where they scatter,
+48 GiB at the default 2 MiB page.
+
+Cost: map and unmap are one ``mmap`` syscall each; releasing is one ``fallocate`` per run
+of consecutive pages.
 """
 
 from __future__ import annotations
@@ -57,6 +67,20 @@ _MAP_NORESERVE = 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 _FALLOC_PUNCH_HOLE = 0x01 | 0x02  # KEEP_SIZE | PUNCH_HOLE
 _RESERVE_FLAGS = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
+MAX_MAP_COUNT_PATH = "/proc/sys/vm/max_map_count"
+DEFAULT_MAX_MAP_COUNT = 65530  # Linux's default, where the file cannot be read
+MAP_HEADROOM = 16384  # mappings left to the rest of the process (libraries, thread stacks, malloc), at most
+
+
+def max_mappings(path: str = MAX_MAP_COUNT_PATH) -> int:
+    """The OS mappings a backend's pages may make: ``vm.max_map_count`` less ``MAP_HEADROOM``
+    (a quarter of it where that is less). One read of ``path``."""
+    try:
+        with open(path) as file:
+            limit = int(file.read())
+    except (OSError, ValueError):
+        limit = DEFAULT_MAX_MAP_COUNT
+    return max(0, limit - min(MAP_HEADROOM, limit // 4))
 
 
 def _load_libc() -> ctypes.CDLL:
@@ -75,6 +99,17 @@ def _load_libc() -> ctypes.CDLL:
 def _os_error(call: str) -> BackendError:
     err = ctypes.get_errno()
     return BackendError(f"{call} failed: {os.strerror(err)}", errno.errorcode.get(err, str(err)))
+
+
+def _runs(pages: list[PhysicalPage]) -> list[list[PhysicalPage]]:
+    """``pages`` (sorted by id) cut into runs of consecutive page ids. O(n)."""
+    runs: list[list[PhysicalPage]] = []
+    for page in pages:
+        if runs and runs[-1][-1].page_id + 1 == page.page_id:
+            runs[-1].append(page)
+        else:
+            runs.append([page])
+    return runs
 
 
 def _not_started(*_args: object) -> int:
@@ -112,6 +147,7 @@ class HostBackend:
         self._imported_fds: dict[tuple[int, int], int] = {}
         self._pool_view = 0  # this process's shared mapping of the whole pool, for bulk copies
         self._in_view: set[int] = set()  # created pages whose PTEs the pool view holds
+        self.max_mappings = DEFAULT_MAX_MAP_COUNT - MAP_HEADROOM  # read from the OS at start()
 
     @property
     def granularity_bytes(self) -> int:
@@ -122,6 +158,7 @@ class HostBackend:
             return
         self._libc = _load_libc()
         self._mmap = self._libc.mmap
+        self.max_mappings = max_mappings()
         if self.num_pages:
             self.pool_fd = os.memfd_create("kvdaemon-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self.pool_fd, self.num_pages * self.page_size_bytes)
@@ -190,15 +227,38 @@ class HostBackend:
         return PhysicalPage(page_id, self.pool_fd, page_id * self.page_size_bytes)
 
     def release_page(self, page: PhysicalPage) -> None:
+        failed = self.release_pages([page])
+        if failed:
+            raise failed[0][1]
+
+    def release_pages(self, pages: list[PhysicalPage]) -> list[tuple[PhysicalPage, BackendError]]:
+        """Punch one hole per run of consecutive created pages (a run that fails is tried page by
+        page); imported pages are the creator's: nothing to give back here. O(n log n)."""
         libc = self._lib()
-        if page.handle != self.pool_fd:
-            return  # imported: the creator owns the memory, nothing to give back here
-        if page.page_id not in self._created:
-            raise BackendError(f"page {page.page_id} was not created here or is already released")
-        if libc.fallocate(self.pool_fd, _FALLOC_PUNCH_HOLE, page.offset_bytes, self.page_size_bytes):
-            raise _os_error("fallocate(PUNCH_HOLE)")
-        self._created.discard(page.page_id)
-        self._in_view.discard(page.page_id)  # the hole took its PTEs in every mapping
+        failed: list[tuple[PhysicalPage, BackendError]] = []
+        own: dict[int, PhysicalPage] = {}
+        for page in pages:
+            if page.handle != self.pool_fd:
+                continue
+            if page.page_id not in self._created or page.page_id in own:
+                failed.append((page, BackendError(f"page {page.page_id} was not created here or is already released")))
+            else:
+                own[page.page_id] = page
+        for run in _runs(sorted(own.values(), key=lambda page: page.page_id)):
+            size_bytes = len(run) * self.page_size_bytes
+            if libc.fallocate(self.pool_fd, _FALLOC_PUNCH_HOLE, run[0].offset_bytes, size_bytes) == 0:
+                self._forget(run)
+            elif len(run) == 1:
+                failed.append((run[0], _os_error("fallocate(PUNCH_HOLE)")))
+            else:
+                for page in run:
+                    failed.extend(self.release_pages([page]))
+        return failed
+
+    def _forget(self, released: list[PhysicalPage]) -> None:
+        for page in released:
+            self._created.discard(page.page_id)
+            self._in_view.discard(page.page_id)  # the hole took its PTEs in every mapping
 
     def export_page(self, page: PhysicalPage) -> int:
         self._lib()
@@ -254,8 +314,13 @@ class HostBackend:
             os.close(fd)
         return pool_fd, st.st_size
 
+    def mappable_pages(self) -> int:
+        """Pages this process may still map, however they scatter (two mappings each at worst:
+        see the module docstring). O(1)."""
+        return max(0, self.max_mappings - self._book.num_mappings) // 2
+
     def map_page(self, addr: int, page: PhysicalPage) -> None:
-        self._book.mark_mapped(addr, page)
+        self._book.mark_mapped(addr, page, self.max_mappings)
         got = self._mmap(
             addr, self.page_size_bytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED, page.handle, page.offset_bytes
         )

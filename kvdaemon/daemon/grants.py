@@ -219,10 +219,8 @@ class Grants:
         """Give every page ``tenant`` holds back to the pool; return how many went.
 
         ``keep_until``: the pool may keep them idle until then (``DevicePages.free``)."""
-        num_pages = 0
-        for pages in tenant.logical.values():
-            self.pages.free([p.page_id for p in pages], keep_until)
-            num_pages += len(pages)
+        page_ids = [page.page_id for pages in tenant.logical.values() for page in pages]
+        self.pages.free(page_ids, keep_until)  # one call: the backend releases runs at once
         tenant.logical.clear()
-        return num_pages
+        return len(page_ids)
 

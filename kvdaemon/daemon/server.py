@@ -37,6 +37,7 @@ import zmq
 
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.cuda_vmm import open_backend
+from kvdaemon.cuda_vmm.backend import Backend
 from kvdaemon.daemon.lease_table import LeaseTable
 from kvdaemon.daemon.log_throttle import LogThrottle
 from kvdaemon.daemon.metrics import Metrics
@@ -47,6 +48,7 @@ from kvdaemon.errors import BadRequest, DaemonUnreachable
 from kvdaemon.wire.messages import ShutdownNotice
 from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, reply_error
+from kvdaemon.wire.sizes import format_bytes
 from kvdaemon.daemon.service import Service
 
 log = logging.getLogger("kvdaemon.daemon.server")
@@ -116,6 +118,7 @@ class Daemon:
             self.paths.root, kind, num_pages, cfg.page_size_bytes, idle,
             "may sleep" if cfg.reclaim_sleep else "never sleeps",
         )
+        _warn_map_cap(backend, num_pages)
 
     def _bind_control(self) -> None:
         self._ctx = zmq.Context()
@@ -295,6 +298,18 @@ class Daemon:
         for fd in fds:
             if fd >= 0:
                 os.close(fd)
+
+
+def _warn_map_cap(backend: Backend, num_pages: int) -> None:
+    """Log where one tenant could not map the whole capacity before its process's mappings reach
+    the OS's cap (host backend, small pages: ``HostBackend.mappable_pages``)."""
+    mappable = backend.mappable_pages()
+    if mappable < num_pages:
+        log.warning(
+            "a tenant process may map about %d of the %d pages before its memory mappings reach "
+            "vm.max_map_count (%s); past that its grows are refused: raise vm.max_map_count or the page size",
+            mappable, num_pages, format_bytes(mappable * backend.page_size_bytes),
+        )
 
 
 def _raise_fd_limit() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,9 +11,8 @@ import pytest
 
 from kvdaemon.cli.status_view import header_lines
 from kvdaemon.cuda_vmm import HostBackend
-from kvdaemon.cuda_vmm.backend import PhysicalPage
 from kvdaemon.daemon.device_pages import DevicePages, Owner
-from kvdaemon.errors import BackendError, NoMemory
+from kvdaemon.errors import NoMemory
 
 from tests.conftest import PAGE_BYTES
 from tests.kvdaemon.daemon.test_service import NUM_PAGES, Harness
@@ -27,16 +28,23 @@ def backend() -> Iterator[HostBackend]:
     host.close()
 
 
-def failing_release(backend: HostBackend, monkeypatch: pytest.MonkeyPatch, page_ids: set[int]) -> None:
-    """Make the backend's release of ``page_ids`` fail as a sealed pool file's would."""
-    release = backend.release_page
+def failing_release(backend: HostBackend, monkeypatch: pytest.MonkeyPatch, page_ids: set[int]) -> list[int]:
+    """Make the backend's release of ``page_ids`` fail as a sealed pool file's would: each hole
+    punched over one of them fails (a run with one in it too, then each of its pages is tried).
+    Returns the number of pages each punch asked for, as they come."""
+    punch = backend._libc.fallocate
+    asked: list[int] = []
 
-    def release_page(page: PhysicalPage) -> None:
-        if page.page_id in page_ids:
-            raise BackendError(f"fallocate(PUNCH_HOLE) failed on page {page.page_id}")
-        release(page)
+    def fallocate(fd: int, mode: int, offset: int, size_bytes: int) -> int:
+        first = offset // PAGE_BYTES
+        asked.append(size_bytes // PAGE_BYTES)
+        if page_ids & set(range(first, first + size_bytes // PAGE_BYTES)):
+            ctypes.set_errno(errno.EPERM)
+            return -1
+        return punch(fd, mode, offset, size_bytes)
 
-    monkeypatch.setattr(backend, "release_page", release_page)
+    monkeypatch.setattr(backend._libc, "fallocate", fallocate)
+    return asked
 
 
 def owners(n: int, start: int = 0) -> list[Owner]:
@@ -56,6 +64,25 @@ def test_a_page_whose_release_fails_is_retired(backend: HostBackend, monkeypatch
         pages.alloc(owners(1, NUM))
     pages.free(granted)
     assert pages.num_free == NUM - 1
+    pages.check()
+
+
+def test_free_releases_each_run_of_consecutive_pages_at_once(
+    backend: HostBackend, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pages = DevicePages(backend)
+    granted = [p.page_id for p in pages.alloc(owners(NUM))]
+    assert granted == list(range(NUM))
+    asked = failing_release(backend, monkeypatch, set())
+    pages.free([5, 0, 1, 3, 2])  # runs 0-3 and 5
+    assert asked == [4, 1]
+    pages.check()
+    again = [p.page_id for p in pages.alloc(owners(3, NUM))]
+    assert again == [2, 3, 1], "the last freed go out first"
+    asked = failing_release(backend, monkeypatch, {1})
+    pages.free(again + [4])
+    assert asked == [4, 1, 1, 1, 1], "the run 1-4 failed: then each of its pages"
+    assert (pages.num_retired, pages.num_free) == (1, NUM - 1)
     pages.check()
 
 

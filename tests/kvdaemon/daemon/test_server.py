@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from contextlib import closing
@@ -10,6 +11,7 @@ import pytest
 
 from kvdaemon.client import KVSpec
 from kvdaemon.client.pool_state import PoolState
+from kvdaemon.cuda_vmm import host
 from kvdaemon.errors import DaemonUnreachable, KVDaemonError, PoolClosed
 from kvdaemon.wire.handles import recv_frame, send_frame
 
@@ -88,3 +90,17 @@ def test_a_sleep_waiting_when_the_daemon_stops_is_told_the_daemon_stopped() -> N
         sock.close()
     error = outcome["error"]
     assert isinstance(error, DaemonUnreachable) and "the daemon stopped before the tenant slept" in error.message
+
+
+@pytest.mark.parametrize(("os_cap", "warned"), [(2000, True), (100000, False)])
+def test_start_warns_where_a_tenant_could_not_map_the_whole_capacity(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, os_cap: int, warned: bool
+) -> None:
+    monkeypatch.setattr(host, "max_mappings", lambda: os_cap - os_cap // 4)  # the backend reads it at start
+    caplog.set_level(logging.WARNING, logger="kvdaemon.daemon.server")
+    with running_daemon("64MiB", page_size_bytes=64 * 1024):  # 1,024 pages
+        pass
+    lines = [r.getMessage() for r in caplog.records if "vm.max_map_count" in r.getMessage()]
+    assert lines == (["a tenant process may map about 750 of the 1024 pages before its memory mappings reach "
+                      "vm.max_map_count (46.9 MiB); past that its grows are refused: raise vm.max_map_count "
+                      "or the page size"] if warned else [])

@@ -1,0 +1,101 @@
+"""The OS's cap on a process's mappings: ``AddressBook.num_mappings`` counts them as the kernel
+does, and the host backend maps no page past ``max_mappings`` (``vm.max_map_count``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvdaemon.cuda_vmm import HostBackend
+from kvdaemon.cuda_vmm.host import DEFAULT_MAX_MAP_COUNT, MAP_HEADROOM, max_mappings
+from kvdaemon.errors import BackendError
+
+from .conftest import PAGE_BYTES, make_host
+
+NUM_SLOTS = 16
+
+
+def kernel_mappings(start: int, end: int) -> int:
+    """The mappings ``/proc/self/maps`` lists that overlap ``[start, end)``."""
+    num = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            low, high = (int(part, 16) for part in line.split()[0].split("-"))
+            num += low < end and high > start
+    return num
+
+
+@pytest.fixture
+def big_host() -> HostBackend:
+    backend = make_host(num_pages=NUM_SLOTS)
+    yield backend
+    backend.close()
+
+
+def page_for(backend: HostBackend, slot: int):  # noqa: ANN201 - a PhysicalPage
+    """Slot ``slot``'s page: offsets run backwards, so no two neighbouring slots merge."""
+    return backend.create_page(NUM_SLOTS - 1 - slot)
+
+
+def test_the_book_counts_the_mappings_the_kernel_makes(big_host: HostBackend) -> None:
+    start = big_host.reserve(NUM_SLOTS * PAGE_BYTES)
+    end = start + NUM_SLOTS * PAGE_BYTES
+    book = big_host._book
+    assert book.num_mappings == kernel_mappings(start, end) == 1
+    pages = {}
+    for slot in (5, 6, 0, 15, 9, 8, 7, 3, 4, 1, 2):  # middles, edges, gaps of one slot filled
+        pages[slot] = page_for(big_host, slot)
+        big_host.map_page(start + slot * PAGE_BYTES, pages[slot])
+        assert book.num_mappings == kernel_mappings(start, end), f"after mapping slot {slot}"
+    big_host.unmap(start + 7 * PAGE_BYTES, 3 * PAGE_BYTES)  # a run of three at once
+    assert book.num_mappings == kernel_mappings(start, end)
+    for slot in (0, 15, 3, 1, 2, 6, 4, 5):
+        big_host.unmap(start + slot * PAGE_BYTES, PAGE_BYTES)
+        assert book.num_mappings == kernel_mappings(start, end), f"after unmapping slot {slot}"
+    assert book.num_mappings == 1
+    big_host.free_range(start)
+    assert book.num_mappings == 0
+
+
+def test_a_map_past_the_cap_is_refused_before_the_os_sees_it(big_host: HostBackend) -> None:
+    start = big_host.reserve(NUM_SLOTS * PAGE_BYTES)
+    end = start + NUM_SLOTS * PAGE_BYTES
+    big_host.max_mappings = 2  # the reservation and one more
+    assert big_host.mappable_pages() == 0  # one page may split the range in two: none is sure
+    middle = start + 4 * PAGE_BYTES
+    with pytest.raises(BackendError, match="vm.max_map_count") as refused:
+        big_host.map_page(middle, page_for(big_host, 4))
+    assert refused.value.driver_code is None  # the backend refused; no mmap was made
+    assert kernel_mappings(start, end) == 1 and big_host._book.num_mappings == 1
+    with pytest.raises(BackendError, match="not mapped"):
+        big_host.unmap(middle, PAGE_BYTES)
+    big_host.map_page(start, page_for(big_host, 0))  # an edge slot ends the reservation: one more mapping
+    assert big_host._book.num_mappings == kernel_mappings(start, end) == 2
+    big_host.unmap(start, PAGE_BYTES)
+    big_host.max_mappings = 1 + 2 * 3 + 1
+    assert big_host.mappable_pages() == 3
+    for slot in (2, 6, 10):  # three apart: each splits a run, two mappings each
+        big_host.map_page(start + slot * PAGE_BYTES, page_for(big_host, slot))
+    assert big_host.mappable_pages() == 0
+    with pytest.raises(BackendError, match="vm.max_map_count"):
+        big_host.map_page(start + 13 * PAGE_BYTES, page_for(big_host, 13))
+    big_host.map_page(start + 3 * PAGE_BYTES, page_for(big_host, 3))  # beside a mapped slot: one more
+    assert big_host._book.num_mappings == kernel_mappings(start, end) == 1 + 2 * 3 + 1
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("65530\n", 65530 - 16382), ("1000000", 1000000 - MAP_HEADROOM), ("1000", 750), ("lots", None)],
+)
+def test_max_mappings_reads_the_os_cap(tmp_path: Path, text: str, expected: int | None) -> None:
+    path = tmp_path / "max_map_count"
+    path.write_text(text)
+    default = DEFAULT_MAX_MAP_COUNT - min(MAP_HEADROOM, DEFAULT_MAX_MAP_COUNT // 4)
+    assert max_mappings(str(path)) == (default if expected is None else expected)
+    assert max_mappings(str(tmp_path / "absent")) == default
+
+
+def test_a_started_backend_takes_the_cap_from_the_os(big_host: HostBackend) -> None:
+    assert big_host.max_mappings == max_mappings()
+    assert big_host.mappable_pages() == big_host.max_mappings // 2
