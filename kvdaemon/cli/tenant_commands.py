@@ -147,6 +147,7 @@ def limit_result(
         "weight": limits.get("weight"),
         "over_limit_bytes": None if row is None else status_view.owed_bytes(row),
         "policy": applied.get("policy"), "clamped": applied.get("clamped", []),
+        "warnings": applied.get("warnings", []),
         "logical_page_bytes": None if row is None else int(row["num_segments"]) * page_bytes,
     }  # fmt: skip
 
@@ -168,6 +169,7 @@ def limit_text(result: dict[str, Any]) -> str:
     for clamp in result["clamped"]:
         lines.append(f"{name}: {clamp['field']} {format_bytes(clamp['requested_bytes'])} clamped to "
                      f"{format_bytes(clamp['applied_bytes'])} ({clamp['reason']})")  # fmt: skip
+    lines.extend(f"{name}: {warning}" for warning in result["warnings"])
     page = result.get("logical_page_bytes")
     if page and result["max_bytes"] is not None and result["max_bytes"] < page:
         lines.append(f"{name}: a limit under its logical page ({format_bytes(page)}) lets it map "

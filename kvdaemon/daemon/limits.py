@@ -27,7 +27,12 @@ Every field is checked, and the policy written to disk, before anything
 changes; a refused request changes nothing. A policy's min above its max is
 ``BAD_REQUEST``; a max above the capacity, or a tenant's own min above the
 policy's max, is clamped and the reply says so (``clamped``). The sum of all
-``min_bytes`` must fit in the capacity (``NO_MEMORY``).
+``min_bytes`` must fit in the capacity (``NO_MEMORY``); a tenant's own min (one
+its policy does not set) must fit beside the mins the operator promised to names
+not registered too (``PolicyBook.promised``), so a tenant cannot take them by
+asking first. An operator's min for a name not registered is kept even where it
+does not fit now; the reply says so (``warnings``), and that tenant's
+registration is refused until the guarantees in its way are released or lowered.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from typing import Any
 
 from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.policies import (
-    EMPTY, MAX_WEIGHT, MIN_WEIGHT, Bounded, Limits, OwnLimits, Policy, bound, request_policy,
+    EMPTY, MAX_WEIGHT, MIN_WEIGHT, Bounded, Limits, OwnLimits, Policy, bound, request_policy, sets_min,
 )  # fmt: skip
 from kvdaemon.daemon.policy_book import PolicyBook
 from kvdaemon.daemon.ports import LeasePort, notify
@@ -64,10 +69,12 @@ class LimitPlan:
 
 
 def plan_limit(
-    tenant: Tenant, limits: Limits, revision: int | None, capacity_bytes: int, others_min_bytes: int
+    tenant: Tenant, limits: Limits, revision: int | None, capacity_bytes: int, others_min_bytes: int,
+    promised: dict[str, int] | None = None,
 ) -> LimitPlan:
     """Check ``limits`` for ``tenant`` at ``revision`` (module docstring); raise, or return
-    the plan."""
+    the plan. ``promised``: the operator's mins for names not registered that its min must
+    fit beside (none where its policy sets the min)."""
     if revision is None:
         revision = tenant.limit_revision + 1
     if revision > MAX_REVISION:
@@ -80,12 +87,22 @@ def plan_limit(
         if limits != tenant.current_limits():
             raise Conflict(f"revision {revision} was already applied with other values")
         return LimitPlan(tenant, limits, revision, changed=False)
-    if others_min_bytes + limits.min_bytes > capacity_bytes:
+    rises = limits.min_bytes > tenant.min_bytes  # one kept or lowered fits as it did (promises came later)
+    if rises and others_min_bytes + sum((promised or {}).values()) + limits.min_bytes > capacity_bytes:
         raise NoMemory(
             f"min {format_bytes(limits.min_bytes)} does not fit next to "
             f"{format_bytes(others_min_bytes)} guaranteed to others in {format_bytes(capacity_bytes)}"
+            f"{promised_text(promised)}"
         )
     return LimitPlan(tenant, limits, revision, changed=True)
+
+
+def promised_text(promised: dict[str, int] | None) -> str:
+    """``; 16.0 MiB more promised by the operator to 'y' (not registered)``, or nothing."""
+    if not promised:
+        return ""
+    names = ", ".join(repr(name) for name in sorted(promised)[:4]) + (", ..." if len(promised) > 4 else "")
+    return f"; {format_bytes(sum(promised.values()))} more promised by the operator to {names} (not registered)"
 
 
 def commit_limit(plan: LimitPlan) -> None:
@@ -136,16 +153,38 @@ class Limiter:
         self.capacity_bytes = capacity_bytes
 
     def for_registration(self, name: str, own: OwnLimits) -> Bounded:
-        """The limits a tenant ``name`` asking ``own`` gets; ``NoMemory`` if its min does not fit."""
-        bounded = bound(own, self.policies.effective(name), self.capacity_bytes)
+        """The limits a tenant ``name`` asking ``own`` gets; ``NoMemory`` if its min does not fit
+        (beside the operator's promises to others too, where the min is its own)."""
+        policy = self.policies.effective(name)
+        bounded = bound(own, policy, self.capacity_bytes)
         guaranteed = self.tenants.guaranteed_bytes()
-        if guaranteed + bounded.limits.min_bytes > self.capacity_bytes:
+        promised = self._promised(name, policy)
+        if guaranteed + sum(promised.values()) + bounded.limits.min_bytes > self.capacity_bytes:
             raise NoMemory(
                 f"min {format_bytes(bounded.limits.min_bytes)} of {name!r} does not fit: "
                 f"{format_bytes(guaranteed)} of {format_bytes(self.capacity_bytes)} "
-                "already guaranteed"
+                f"already guaranteed{promised_text(promised)}"
             )
         return bounded
+
+    def _promised(self, name: str, policy: Policy) -> dict[str, int]:
+        """What a min of ``name`` under ``policy`` must fit beside, besides the registered tenants'
+        guarantees: nothing where the policy sets that min (the operator's word: first come,
+        first served among the operator's own promises), else the operator's mins for names not
+        registered. O(policies)."""
+        if sets_min(policy):
+            return {}
+        return self.policies.promised(self.capacity_bytes, (t.name for t in self.tenants), other_than=name)
+
+    def _unfit(self, name: str, bounded: Bounded) -> list[str]:
+        """Why a min the operator just set for ``name`` (not registered) cannot be honoured now:
+        its registration would be refused (``for_registration``); empty when it fits."""
+        min_bytes, guaranteed = bounded.limits.min_bytes, self.tenants.guaranteed_bytes()
+        if guaranteed + min_bytes <= self.capacity_bytes:
+            return []
+        return [f"min {format_bytes(min_bytes)} does not fit now: {format_bytes(guaranteed)} of "
+                f"{format_bytes(self.capacity_bytes)} are guaranteed to registered tenants; a tenant {name!r} "
+                "is refused until they release or lower theirs"]  # fmt: skip
 
     def set_limit(self, args: Args, by_owner: Tenant | None) -> dict[str, Any]:
         """Serve ``set_limit`` (module docstring); ``by_owner``: the tenant whose token it carries."""
@@ -164,14 +203,16 @@ class Limiter:
         if tenant is None:
             bounded = bound(OwnLimits(None, 0, 1.0), policy, self.capacity_bytes)
             self.policies.store(name, layer)
+            warnings = self._unfit(name, bounded)
             # unsettled: a removed field reads 'max none', which says what it overrides
-            log.info("policy of %s (not registered) is now %s%s; applied when it registers",
-                     name, policy.describe(), _clamps(bounded))  # fmt: skip
+            log.log(logging.WARNING if warnings else logging.INFO,
+                    "policy of %s (not registered) is now %s%s; applied when it registers%s",
+                    name, policy.describe(), _clamps(bounded), "".join(f"; {w}" for w in warnings))  # fmt: skip
             return {"result": "stored", "registered": False, "revision": None, "changed": True,
-                    **self._report(name, bounded, registered=False)}  # fmt: skip
+                    **self._report(name, bounded, registered=False), "warnings": warnings}  # fmt: skip
         assert tenant.own is not None
         bounded = bound(tenant.own, policy, self.capacity_bytes)
-        plan = self._plan(tenant, bounded, revision)
+        plan = self._plan(tenant, bounded, revision, policy)
         self.policies.store(name, layer)
         return self._commit(plan, bounded, "by an admin")
 
@@ -190,15 +231,18 @@ class Limiter:
             tenant.own.weight if weight is None else weight,
         )
         check_own(own, self.capacity_bytes)
-        bounded = bound(own, self.policies.effective(tenant.name), self.capacity_bytes)
+        policy = self.policies.effective(tenant.name)
+        bounded = bound(own, policy, self.capacity_bytes)
         # its own revision may not jump: a tenant could otherwise spend them all and shut the operator out
-        plan = self._plan(tenant, bounded, args.opt_int("revision", 1, min(tenant.limit_revision + 1, MAX_REVISION)))
+        revision = args.opt_int("revision", 1, min(tenant.limit_revision + 1, MAX_REVISION))
+        plan = self._plan(tenant, bounded, revision, policy)
         tenant.own = own
         return self._commit(plan, bounded, BY_OWNER)
 
-    def _plan(self, tenant: Tenant, bounded: Bounded, revision: int | None) -> LimitPlan:
+    def _plan(self, tenant: Tenant, bounded: Bounded, revision: int | None, policy: Policy) -> LimitPlan:
         others = self.tenants.guaranteed_bytes(other_than=tenant)
-        return plan_limit(tenant, bounded.limits, revision, self.capacity_bytes, others)
+        promised = self._promised(tenant.name, policy)
+        return plan_limit(tenant, bounded.limits, revision, self.capacity_bytes, others, promised)
 
     def _commit(self, plan: LimitPlan, bounded: Bounded, by: str) -> dict[str, Any]:
         tenant = plan.tenant

@@ -218,6 +218,11 @@ def bound(own: OwnLimits, policy: Policy, capacity_bytes: int) -> Bounded:
     return Bounded(Limits(max_bytes, min_bytes, weight), tuple(clamped))
 
 
+def sets_min(policy: Policy) -> bool:
+    """Whether ``policy`` sets the min (a tenant's own min applies where it does not)."""
+    return isinstance(policy.settled().min, SizeSpec)
+
+
 def check_consistent(policy: Policy, where: str) -> None:
     """``ConfigError`` when ``policy``'s min exceeds its max in the same units (both
     bytes, or both percentages); mixed units are only comparable once applied."""

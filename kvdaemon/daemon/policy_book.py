@@ -16,8 +16,13 @@ tenants may be registered at once), so the file stays far within what the
 next daemon reads (``MAX_FILE_BYTES``) and ``status`` within one message; a
 new name past that is refused (``Conflict``) until one is reset.
 
-Only the service loop uses a book; nothing here locks. O(1) per lookup; a
-change costs one file write (``store``).
+A min the operator set for a name is a promise kept while no tenant of that
+name is registered (``promised``): a tenant's own min (one its policy does not
+set) must fit beside those promises and the registered tenants' guarantees, so
+no tenant can take by asking what the operator promised to another.
+
+Only the service loop uses a book; nothing here locks. O(1) per lookup;
+``promised`` O(names); a change costs one file write (``store``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvdaemon.daemon.policies import EMPTY, FIELDS, REMOVED, Policy
+from kvdaemon.daemon.policies import EMPTY, FIELDS, REMOVED, OwnLimits, Policy, bound, sets_min
 from kvdaemon.daemon.policy_file import read_policies, write_policies
 from kvdaemon.daemon.tenant import MAX_TENANTS
 from kvdaemon.errors import Conflict
@@ -98,6 +103,20 @@ class PolicyBook:
         if self.path is not None:
             write_policies(self.path, kept)
         self._set = kept
+
+    def promised(self, capacity_bytes: int, registered: Iterable[str], other_than: str = "") -> dict[str, int]:
+        """The mins the operator's policies give names not ``registered`` (nor ``other_than``),
+        as applied (bounded by the policy's max and the capacity), by name; zero ones left out."""
+        present = {*registered, other_than}
+        promised = {}
+        for name in self.names():
+            policy = self.effective(name)
+            if name in present or not sets_min(policy):
+                continue
+            min_bytes = bound(OwnLimits(None, 0, 1.0), policy, capacity_bytes).limits.min_bytes
+            if min_bytes:
+                promised[name] = min_bytes
+        return promised
 
     def names(self) -> list[str]:
         """Every name with a policy from either layer, sorted."""

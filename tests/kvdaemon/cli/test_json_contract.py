@@ -83,7 +83,7 @@ def test_tenant_commands_json_and_idempotence(cli: Cli) -> None:
         assert limited == {
             "name": "llama-a", "registered": True, "revision": 1, "max_bytes": 32 * MiB,
             "min_bytes": 0, "weight": 2.0, "over_limit_bytes": 0,
-            "policy": {"max": "50%", "min": None, "weight": 2.0}, "clamped": [],
+            "policy": {"max": "50%", "min": None, "weight": 2.0}, "clamped": [], "warnings": [],
             "logical_page_bytes": 4 * MiB,
         }  # fmt: skip
 

@@ -40,7 +40,7 @@ def test_policies_before_registration_across_a_restart_and_against_the_config(
     assert stored == {
         "name": "qwen-b", "registered": False, "revision": None, "max_bytes": None,
         "min_bytes": None, "weight": None, "over_limit_bytes": None,
-        "policy": {"max": "25%", "min": None, "weight": None}, "clamped": [],
+        "policy": {"max": "25%", "min": None, "weight": None}, "clamped": [], "warnings": [],
         "logical_page_bytes": None,
     }  # fmt: skip
     assert text_of(cli, "limit", "big", "--max", "20GiB") == [
@@ -125,3 +125,19 @@ def test_a_limit_past_what_the_wire_carries_is_a_usage_error_and_keeps_nothing(c
     assert json_of(cli.run("status", "--json"))["policies"] == []
     assert cli.run("limit", "pp", "--max", "9223372036854775807").returncode == 0  # the largest: clamped
     assert [p["name"] for p in json_of(cli.run("status", "--json"))["policies"]] == ["pp"]
+
+
+def test_a_promise_that_does_not_fit_now_is_kept_and_said_so(cli: Cli) -> None:
+    assert cli.start(*HOST_FLAGS).returncode == 0
+    client = cli.client()
+    pool = client.register("llama-a", small_spec(), min_bytes=48 * MiB)
+    try:
+        assert text_of(cli, "limit", "qwen-b", "--min", "32MiB") == [
+            "qwen-b: not registered; policy min 32.0 MiB kept, applied when it registers",
+            "qwen-b: min 32.0 MiB does not fit now: 48.0 MiB of 64.0 MiB are guaranteed to registered tenants; "
+            "a tenant 'qwen-b' is refused until they release or lower theirs",
+        ]
+        assert json_of(cli.run("status", "--json"))["policies"][0]["min"] == 32 * MiB
+    finally:
+        pool.close()
+        client.close()

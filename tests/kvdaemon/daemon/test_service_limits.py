@@ -55,7 +55,7 @@ def test_a_policy_set_before_registration_applies_when_it_registers(h: Harness) 
     stored = h.ok("set_limit", name="b", max="25%", weight=2)
     assert stored == {
         "result": "stored", "registered": False, "revision": None, "changed": True, "limit": None,
-        "policy": {"max": "25%", "min": None, "weight": 2.0}, "clamped": NO_CLAMP,
+        "policy": {"max": "25%", "min": None, "weight": 2.0}, "clamped": NO_CLAMP, "warnings": [],
     }  # fmt: skip
     assert h.ok("status")["policies"] == [{
         "name": "b", "registered": False, "max": "25%", "min": None, "weight": 2.0,
@@ -152,12 +152,52 @@ def test_a_refused_set_limit_changes_nothing(h: Harness, args: dict[str, Any], c
 
 def test_a_policy_min_that_does_not_fit_refuses_the_registration(h: Harness) -> None:
     h.register("a", min_bytes=16 * MiB)
-    h.ok("set_limit", name="b", min="20MiB")  # stored: it fits the capacity alone
+    stored = h.ok("set_limit", name="b", min="20MiB")  # stored: it fits the capacity alone
+    assert stored["result"] == "stored" and stored["warnings"] == [
+        "min 20.0 MiB does not fit now: 16.0 MiB of 32.0 MiB are guaranteed to registered tenants; "
+        "a tenant 'b' is refused until they release or lower theirs"
+    ]
     reply = h.call("register", name="b", spec=small_spec().to_wire(), num_virtual_pages=8)
     assert reply["error"]["code"] == "NO_MEMORY"
     assert reply["error"]["message"] == (
         "min 20.0 MiB of 'b' does not fit: 16.0 MiB of 32.0 MiB already guaranteed"
     )
+
+
+def test_a_tenants_own_min_cannot_take_what_the_operator_promised_to_a_name_not_registered() -> None:
+    h = config_harness(y={"min": "16MiB"})
+    reply = h.call("register", name="x", spec=small_spec().to_wire(), num_virtual_pages=8, min_bytes=20 * MiB)
+    assert reply["error"]["code"] == "NO_MEMORY"
+    assert reply["error"]["message"] == (
+        "min 20.0 MiB of 'x' does not fit: 0 B of 32.0 MiB already guaranteed; "
+        "16.0 MiB more promised by the operator to 'y' (not registered)"
+    )
+    assert h.ok("status")["tenants"] == [], "the refused registration left nothing"
+    x = h.register("x", min_bytes=16 * MiB)  # what the promise leaves
+    assert h.register("y")["limit"]["min_bytes"] == 16 * MiB, "the promise is kept"
+    refused = h.call("set_limit", name="x", token=x["token"], min_bytes=17 * MiB)
+    assert refused["error"]["code"] == "NO_MEMORY"
+    h.backend.close()
+
+
+def test_the_operators_own_mins_are_first_come_and_a_later_promise_leaves_kept_mins_alone(h: Harness) -> None:
+    x = h.register("x", min_bytes=24 * MiB)  # before any promise
+    stored = h.ok("set_limit", name="y", min="16MiB")
+    assert len(stored["warnings"]) == 1 and "does not fit now" in stored["warnings"][0]
+    assert h.ok("set_limit", name="x", token=x["token"], weight=2.0)["changed"], "its kept min is not re-judged"
+    raised = h.call("set_limit", name="x", token=x["token"], min_bytes=25 * MiB)
+    assert raised["error"]["code"] == "NO_MEMORY"
+    assert raised["error"]["message"] == (
+        "min 25.0 MiB does not fit next to 0 B guaranteed to others in 32.0 MiB; "
+        "16.0 MiB more promised by the operator to 'y' (not registered)"
+    )
+    assert h.error("register", name="y", spec=small_spec().to_wire(), num_virtual_pages=8) == "NO_MEMORY"
+    h.ok("set_limit", name="x", token=x["token"], min_bytes=8 * MiB)  # x lowers its own: y fits
+    assert h.register("y")["limit"]["min_bytes"] == 16 * MiB
+    h.ok("set_limit", name="a", min="8MiB")
+    h.ok("set_limit", name="b", min="8MiB")  # promises past what is left: the operator's own, first come
+    assert h.register("a")["limit"]["min_bytes"] == 8 * MiB
+    assert h.error("register", name="b", spec=small_spec().to_wire(), num_virtual_pages=8) == "NO_MEMORY"
 
 
 def test_a_tenant_changes_its_own_request_with_its_token_within_the_policy(h: Harness) -> None:
