@@ -171,9 +171,10 @@ def is_silent(tenant: dict[str, Any]) -> bool:
     return float(tenant.get("silent_seconds", 0.0)) >= SILENT_S
 
 
-def describe_policy(policy: dict[str, Any]) -> str:
+def describe_policy(policy: dict[str, Any], capacity_bytes: int | None = None) -> str:
     """``max 40% (config), weight 2 (limit)`` from a ``status`` policy row or a
-    ``limit`` reply's ``policy`` (the sources only where given)."""
+    ``limit`` reply's ``policy`` (the sources only where given); a size above
+    ``capacity_bytes`` says the capacity applies instead (it is clamped when applied)."""
     sources = policy.get("sources") or {}
     parts = []
     for field in POLICY_FIELDS:
@@ -186,8 +187,10 @@ def describe_policy(policy: dict[str, Any]) -> str:
             shown = f"{value:g}"
         else:
             shown = format_bytes(int(value))
-        source = f" ({sources[field]})" if field in sources else ""
-        parts.append(f"{field} {shown}{source}")
+        notes = [sources[field]] if field in sources else []
+        if field != "weight" and isinstance(value, int) and capacity_bytes is not None and value > capacity_bytes:
+            notes.append(f"the capacity, {format_bytes(capacity_bytes)}, applies")
+        parts.append(f"{field} {shown}" + (f" ({'; '.join(notes)})" if notes else ""))
     return ", ".join(parts) or "none"
 
 
@@ -222,5 +225,5 @@ def render(console: Console, dir: Path, status: dict[str, Any], num_registered: 
         console.print(Text("operator policies (kvdaemon limit; [tenants] of the config file):"))
     for policy in policies:
         waiting = "" if policy.get("registered") else "; not registered (applied when it registers)"
-        line = f"  {policy['name']}: {describe_policy(policy)}{waiting}"
+        line = f"  {policy['name']}: {describe_policy(policy, status['capacity_bytes'])}{waiting}"
         console.print(Text(line), highlight=False)

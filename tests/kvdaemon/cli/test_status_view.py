@@ -132,7 +132,7 @@ def test_policies_are_listed_with_their_sources() -> None:
     assert lines[4:] == [
         "operator policies (kvdaemon limit; [tenants] of the config file):",
         "  llama-a: max 40% (config)",
-        "  qwen-b: max 8.00 GiB (limit), min none (limit), weight 2 (config); "
+        "  qwen-b: max 8.00 GiB (limit; the capacity, 4.00 GiB, applies), min none (limit), weight 2 (config); "
         "not registered (applied when it registers)",
     ]
 
