@@ -66,7 +66,7 @@ from collections.abc import Callable
 
 from kvdaemon.client.lease import Lease
 from kvdaemon.client.pool_core import PoolCore
-from kvdaemon.client.pool_reconnect import try_reconnect
+from kvdaemon.client.pool_reconnect import Unjoinable, try_reconnect
 from kvdaemon.client.pool_returns import free_orphans, pay_limit_debt, return_spare, returning
 from kvdaemon.client.pool_sleep import sleep_pool, wake_pool
 from kvdaemon.client.pool_state import PoolState
@@ -114,6 +114,7 @@ class PoolAgent:
     def __init__(self, core: PoolCore, relink: Callable[[], Lease] | None) -> None:
         self.core = core
         self.relink = relink
+        self.unjoinable = Unjoinable()  # the daemon that refused the pool for good (``pool_reconnect``)
         self._inbox: list[tuple[Lease, Notice]] = []  # each with the lease it came on
         self._inbox_lock = threading.Lock()  # a leaf: held only to append or swap the list
         self._wake = threading.Event()
@@ -360,6 +361,6 @@ class PoolAgent:
             if core.state is PoolState.ACTIVE:
                 core.cell.move(PoolState.DETACHED)
                 log.warning("pool %s: its daemon is gone; serving from the pages mapped", core.name)
-        if self.relink is not None and try_reconnect(core, self.relink, self.listen):
+        if self.relink is not None and try_reconnect(core, self.relink, self.listen, self.unjoinable):
             self._reported = None  # tell the new daemon what we hold and whether we can sleep
             self.daemon_clock_offset_s = None  # the new daemon's clock is placed at its first heartbeat

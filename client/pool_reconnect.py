@@ -21,39 +21,93 @@ room, the pool keeps its old pages and tries again on the next tick; after
 ``MOVES_BEFORE_EMPTY`` such tries, or at once when the new daemon's limit for
 it is below what it maps (``OverLimit``: an operator's word, not a wait), it
 joins the new daemon *empty*: every block dropped (a block loss, which the
-engine recomputes), its old pages released. A daemon whose pages are of
-another size is never joined (the pool's layout is built on its page size):
-the pool says so once and serves from what it maps until it is closed.
-Cost: one page copy per page and segment.
+engine recomputes), its old pages released.
+
+A daemon that refuses the pool for as long as it runs is never joined, and
+never asked again (``Unjoinable``): one whose pages are of another size (a
+``Conflict``; the pool's layout is built on its page size, so a ``hello``
+after the refusal checks that this, not a name taken, was why), one that
+finds the request itself bad for it (``BadRequest``: a logical page past its
+capacity) or one of another protocol (``VersionMismatch``). The pool says so
+once per daemon, as a warning naming what to do, and serves from what it maps;
+it asks again only when another daemon starts on the directory (its control
+socket is bound anew), so an operator who restarts the daemon right gets the
+pool back without restarting the engine. Every other refusal (a name taken
+meanwhile: it may be freed) is tried again on each tick, said once per reason.
+Cost: one page copy per page and segment; one ``stat`` per tick while the
+daemon running is one that refused the pool for good.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
+from kvdaemon.client.control import ControlChannel
 from kvdaemon.client.lease import Grant, Lease
 from kvdaemon.client.pool_core import PoolCore
 from kvdaemon.client.pool_state import PoolState
-from kvdaemon.errors import DaemonUnreachable, KVDaemonError, OverLimit
+from kvdaemon.errors import BadRequest, Conflict, DaemonUnreachable, KVDaemonError, OverLimit, VersionMismatch
+from kvdaemon.wire.paths import DaemonPaths
+from kvdaemon.wire.protocol import PROTOCOL_VERSION
 
 log = logging.getLogger("kvdaemon.client.pool")
 MOVES_BEFORE_EMPTY = 10  # refused moves (one per agent tick) before the pool joins empty
 
 
-def try_reconnect(core: PoolCore, relink: Callable[[], Lease], listen: Callable[[Lease], None]) -> bool:
+Instance = tuple[int, int, int]  # a daemon bound at a directory: its control socket's device, inode, ctime
+
+
+def bound_daemon(paths: DaemonPaths) -> Instance | None:
+    """Which daemon is bound at ``paths`` now, ``None`` while none is. Each start binds its
+    control socket anew (a new file), so this differs for every daemon started there, a pid
+    that repeats (a container's, an in-process daemon's) or a dead one's socket left behind
+    notwithstanding. One ``stat``."""
+    try:
+        info = os.stat(paths.control_socket)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_ctime_ns
+
+
+class Unjoinable:
+    """The daemon that refused a pool for as long as it runs (``instance``, ``None`` while
+    none did): the pool asks it nothing more (see the module docstring). O(1)."""
+
+    def __init__(self) -> None:
+        self.instance: Instance | None = None
+
+
+def try_reconnect(
+    core: PoolCore, relink: Callable[[], Lease], listen: Callable[[Lease], None], unjoinable: Unjoinable,
+) -> bool:
     """One attempt; True once the pool is registered with a live daemon again. ``listen``
-    routes a lease's notices to the agent (``PoolAgent.listen``)."""
+    routes a lease's notices to the agent (``PoolAgent.listen``); ``unjoinable``: the pool's
+    record of the daemon that refused it for good, which is not asked again (one ``stat``)."""
+    paths = core.lease.paths
+    instance = bound_daemon(paths)
+    if unjoinable.instance is not None and instance == unjoinable.instance:
+        return False
     try:
         lease = relink()
     except DaemonUnreachable as exc:
         log.debug("pool %s: no new daemon yet: %s", core.name, exc)
         return False
     except KVDaemonError as exc:  # a daemon runs but refuses us (the name taken...): say why
-        if exc.message != core.relink_error:
-            log.warning("pool %s: re-registering failed, retrying: %s", core.name, exc)
+        why = _for_good(core, exc)
+        if why is None:
+            if exc.message != core.relink_error:
+                log.warning("pool %s: re-registering failed, retrying: %s", core.name, exc)
+        elif instance is not None and bound_daemon(paths) == instance:  # the daemon asked is still the one bound
+            unjoinable.instance = instance
+            log.warning("pool %s: the daemon at %s cannot take it for as long as it runs (%s); the pool serves "
+                        "from the %d logical page(s) it maps and asks again only when a daemon starts there anew",
+                        core.name, paths.root, why, len(core.segments.pages))  # fmt: skip
+        # else another daemon took the directory meanwhile: the next tick asks it
         core.relink_error = exc.message
         return False
+    unjoinable.instance = None
     listen(lease)  # its notices reach the agent (queued till the move ends; dropped if it fails)
     if core.quiesce_hook is not None:
         core.quiesce_hook()
@@ -75,6 +129,37 @@ def try_reconnect(core: PoolCore, relink: Callable[[], Lease], listen: Callable[
             core.resume_hook()
     log.info("pool %s: re-registered with the new daemon, %d pages moved", core.name, len(core.segments.pages))
     return True
+
+
+def _for_good(core: PoolCore, refusal: KVDaemonError) -> str | None:
+    """Why the daemon that answered ``refusal`` to the pool's registration will refuse it for
+    as long as it runs, and what to do; ``None`` for one that may change (a name taken: it may
+    be freed) or when unsure (the ``hello`` went unanswered: a timeout is not a decision).
+    A ``Conflict`` costs one ``hello``."""
+    if not refusal.from_daemon:
+        return None
+    if isinstance(refusal, (BadRequest, VersionMismatch)):  # the same request gets the same answer there
+        return refusal.message
+    if isinstance(refusal, Conflict):
+        theirs, ours = _page_size(core), core.page_bytes
+        if theirs is not None and theirs != ours:
+            return (f"its pages are of {theirs} bytes, the pool's KV is laid out on pages of {ours}: restart "
+                    f"the daemon with --page-size {ours}")
+    return None
+
+
+def _page_size(core: PoolCore) -> int | None:
+    """The page size of the daemon at the pool's directory (one ``hello`` on a channel of its
+    own, closed after), ``None`` when it does not answer or say."""
+    channel = ControlChannel(core.lease.paths, core.lease.timeout_s)
+    try:
+        info = channel.call("hello", {"version": PROTOCOL_VERSION})
+    except KVDaemonError:
+        return None
+    finally:
+        channel.close()
+    page = info.get("page_size") if isinstance(info, dict) else None
+    return page if type(page) is int else None
 
 
 def _join_empty(core: PoolCore, lease: Lease) -> None:

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvdaemon.client import KVClient, KVPool, KVSpec
+from kvdaemon.client import KVClient, KVPool, KVSpec, pool_reconnect
+from kvdaemon.client.lease import Lease
 from kvdaemon.daemon.policies import parse_policy
 from kvdaemon.daemon.policy_file import policy_path, write_policies
-from kvdaemon.errors import DaemonUnreachable
+from kvdaemon.errors import DaemonUnreachable, KVDaemonError
 from kvdaemon.wire.messages import LimitNotice, Notice
 
 from tests.conftest import PAGE_BYTES, short_dir, start_daemon, tenant_rows, wait_until
@@ -189,3 +190,87 @@ def test_a_dead_daemons_limit_notices_are_dropped_once_the_pool_moved(
                 proc.kill()
         client.close()
         admin.close()
+
+
+def counting_refusals(pool: KVPool, gate: threading.Event | None = None) -> list[str]:
+    """Have ``pool``'s re-registrations counted: the wire code of each refusal a daemon answered
+    (the list returned). While ``gate`` is given and not set, none is made (as if none ran)."""
+    codes: list[str] = []
+    relink = pool.agent.relink
+    assert relink is not None
+
+    def counted() -> Lease:
+        if gate is not None and not gate.is_set():
+            raise DaemonUnreachable("held back by the test")
+        try:
+            return relink()
+        except KVDaemonError as exc:
+            if exc.from_daemon:
+                codes.append(exc.code)
+            raise
+
+    pool.agent.relink = counted
+    return codes
+
+
+@pytest.mark.parametrize(("flags", "code", "said"), [
+    (("64MiB", "--page-size", str(PAGE_BYTES // 2)), "CONFLICT",
+     [f"its pages are of {PAGE_BYTES // 2} bytes", f"pages of {PAGE_BYTES}:", f"--page-size {PAGE_BYTES})"]),
+    (("2MiB",), "BAD_REQUEST", ["more than the 2097152 bytes it could ever hold here"]),
+])
+def test_a_daemon_that_refuses_a_pool_for_good_is_asked_once_and_its_successor_joined(
+    root: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    flags: tuple[str, ...], code: str, said: list[str],
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvdaemon.client.pool")
+    looks: list[object] = []  # each agent tick, while detached, looks which daemon is bound first
+    bound = pool_reconnect.bound_daemon
+    monkeypatch.setattr(pool_reconnect, "bound_daemon", lambda paths: looks.append(paths) or bound(paths))
+    with detached_pool(root, "a", BLOCKS_PER_PAGE + 3, 4.0) as (client, pool, blocks, daemons):
+        refusals = counting_refusals(pool)
+        daemons.append(start_daemon(root, *flags))  # a daemon that can never take 'a'
+        warned = lambda: [r for r in caplog.records if "cannot take it" in r.getMessage()]  # noqa: E731
+        wait_until(warned, 20, "the pool never said it cannot join")
+        asked, seen = len(refusals), len(looks)
+        wait_until(lambda: len(looks) >= seen + 5, 30, "the agent stopped ticking")  # five ticks later...
+        assert refusals == [code] * asked and 1 <= asked <= 2  # ...the daemon was asked no more (2: a start raced)
+        assert pool.state.name == "DETACHED" and tenant_rows(client) == {}
+        assert holds(pool, blocks, 4.0)  # it serves from what it maps, and writes it
+        written(pool, blocks, 5.0)
+        with pytest.raises(DaemonUnreachable) as refused:
+            pool.alloc(2 * BLOCKS_PER_PAGE)
+        assert refused.value.code == "UNREACHABLE"
+        [warning] = warned()
+        assert warning.levelno == logging.WARNING and all(part in warning.getMessage() for part in said)
+        assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+
+        daemons[-1].kill()  # the operator starts the daemon right: the pool joins it, no engine restart
+        daemons[-1].wait(10)
+        daemons.append(start_daemon(root))
+        wait_until(lambda: pool.state.name == "ACTIVE" and not pool.lease.lost.is_set(), 20, "never joined")
+        assert holds(pool, blocks, 5.0) and len(refusals) == asked and len(warned()) == 1
+        rows = tenant_rows(client)
+        assert rows is not None and rows["a"]["mapped_bytes"] == pool.mapped_bytes > 0
+        assert len(pool.alloc(2 * BLOCKS_PER_PAGE)) == 2 * BLOCKS_PER_PAGE
+
+
+def test_a_pool_whose_name_is_taken_keeps_asking_and_joins_once_it_is_freed(
+    root: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvdaemon.client.pool")
+    with detached_pool(root, "a", BLOCKS_PER_PAGE, 2.0) as (client, pool, blocks, daemons):
+        gate = threading.Event()
+        refusals = counting_refusals(pool, gate)
+        daemons.append(start_daemon(root))
+        other = KVClient(root)
+        try:
+            squatter = other.register("a", SPEC, num_prefetch_pages=0)  # before the pool asks
+            gate.set()
+            wait_until(lambda: len(refusals) >= 3, 30, "the pool stopped asking while the name was taken")
+            assert set(refusals) == {"CONFLICT"} and pool.state.name == "DETACHED"
+            assert not [r for r in caplog.records if "cannot take it" in r.getMessage()]
+            squatter.close()
+            wait_until(lambda: pool.state.name == "ACTIVE" and not pool.lease.lost.is_set(), 20, "never joined")
+            assert holds(pool, blocks, 2.0)
+        finally:
+            other.close_all()
