@@ -19,7 +19,7 @@ from pathlib import Path
 from kvdaemon.cli.exit_codes import EXIT_USAGE
 from kvdaemon.cli.lifecycle import already_running, prepare_dir
 from kvdaemon.wire.paths import running_pid
-from kvdaemon.cli.logs import log_file_error, open_append
+from kvdaemon.cli.logs import open_append
 from kvdaemon.client import KVClient
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.errors import ConfigError, DaemonUnreachable, KVDaemonError, LifecycleError, from_code
@@ -36,7 +36,8 @@ def start_detached(config: DaemonConfig, timeout_s: float = 30.0) -> int:
     config as flags, logging to ``config.log_file`` (default: ``kvdaemon.log``
     in its directory), where its stdout and stderr go too. Raises ``Conflict``
     when a daemon already runs there; ``ConfigError`` (or ``UnsafeDirectory``)
-    when the child refused its configuration (exit status 2: e.g. a capacity
+    when the log file is not a regular file it can append to (no child is started then;
+    see ``open_append``), or when the child refused its configuration (exit status 2: e.g. a capacity
     larger than the device), with the child's one-line reason;
     ``LifecycleError`` (with the tail of the log) when it exits otherwise or
     does not answer within ``timeout_s`` (then it is killed), or when the
@@ -49,11 +50,8 @@ def start_detached(config: DaemonConfig, timeout_s: float = 30.0) -> int:
     if pid is not None:
         raise already_running(paths, pid)
     log_file = config.log_file or paths.log_file
-    log_offset = _log_size(log_file)
-    try:
-        log_fd = open_append(log_file)
-    except OSError as err:
-        raise log_file_error(log_file, err) from err
+    log_fd = open_append(log_file)  # ConfigError for anything but a regular file, before any child
+    log_offset = os.fstat(log_fd).st_size  # the file opened, not whatever the path names later
     with os.fdopen(log_fd, "ab") as log_stream:
         try:
             child = subprocess.Popen(
@@ -82,13 +80,6 @@ def _child_env(env: Mapping[str, str]) -> dict[str, str]:
         key: value for key, value in env.items()
         if not key.startswith("KVDAEMON_") and key != "NOTIFY_SOCKET"
     }  # fmt: skip
-
-
-def _log_size(log_file: Path) -> int:
-    try:
-        return log_file.stat().st_size
-    except OSError:
-        return 0
 
 
 def _log_tail(log_file: Path, offset: int) -> str:

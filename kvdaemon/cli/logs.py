@@ -1,7 +1,10 @@
 """Where a daemon's log goes: stderr, and a log file when one is given.
 
-The log file is opened ``O_APPEND | O_NOFOLLOW`` (a planted symlink is refused,
-never followed) and created 0600. It works with logrotate either way:
+The log file is opened ``O_APPEND | O_NOFOLLOW | O_NONBLOCK`` and created 0600; only a
+regular file that can be appended to is used. A symlink (planted, or ``/dev/stderr``), a
+FIFO, a directory, a device or a file that does not seek (``/proc/version``) is refused
+with a one-line ``ConfigError``, never followed, blocked on or written. It works with
+logrotate either way:
 
 - ``create`` mode (the file is renamed and a new one made): each record checks
   the file's identity first (``WatchedFileHandler``) and reopens the path when
@@ -19,6 +22,7 @@ import logging
 import logging.handlers
 import os
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -37,12 +41,74 @@ log = logging.getLogger("kvdaemon")
 
 
 def open_append(path: Path) -> int:
-    """An fd appending to ``path`` (created 0600, symlinks refused); ``OSError`` as the OS says."""
-    return os.open(path, APPEND_FLAGS, FILE_MODE)
+    """A blocking fd appending to the regular file ``path`` (created 0600 where missing).
+
+    Never blocks or follows a symlink: ``path`` is checked with ``lstat`` first (so a device
+    or FIFO found there is not even opened), opened ``O_NONBLOCK | O_NOFOLLOW``, checked again
+    with ``fstat`` (what was opened, whatever replaced the path meanwhile) and seeked to its
+    end. Raises ``ConfigError`` (one line, the fix named) for anything else; nothing is left
+    open then. Costs six system calls.
+    """
+    try:
+        _refuse_unusable(path, os.lstat(path))  # before opening: opening a device may act on it
+    except OSError:
+        pass  # missing (created below), or the open says why
+    try:
+        fd = os.open(path, APPEND_FLAGS | os.O_NONBLOCK, FILE_MODE)
+    except OSError as err:  # ELOOP: a symlink, ENXIO: a FIFO nobody reads, swapped in since the lstat
+        try:
+            _refuse_unusable(path, os.lstat(path))
+        except OSError:
+            pass
+        raise log_file_error(path, err) from err
+    try:
+        _refuse_unusable(path, os.fstat(fd))
+        try:
+            os.lseek(fd, 0, os.SEEK_END)
+        except OSError as err:
+            raise ConfigError(
+                f"cannot use log file {path}: it cannot be appended to ({err.strerror}); "
+                "name a regular file with --log-file"
+            ) from err
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+)  # fmt: skip
+
+
+def _refuse_unusable(path: Path, info: os.stat_result) -> None:
+    """Raise ``ConfigError`` unless ``info`` (``path``'s) is a regular file's."""
+    if stat.S_ISREG(info.st_mode):
+        return
+    if stat.S_ISLNK(info.st_mode):
+        try:
+            target = f" (to {os.readlink(path)})"
+        except OSError:
+            target = ""
+        raise ConfigError(
+            f"cannot use log file {path}: it is a symbolic link{target}, never followed; "
+            "give the file itself with --log-file"
+        )
+    kind = next((name for test, name in _KINDS if test(info.st_mode)), "another kind of file")
+    raise ConfigError(
+        f"cannot use log file {path}: not a regular file ({kind}); name a regular file with --log-file"
+    )
 
 
 class PrivateLogFile(logging.handlers.WatchedFileHandler):
-    """A ``WatchedFileHandler`` that opens with :func:`open_append` and reopens on request."""
+    """A ``WatchedFileHandler`` that opens with :func:`open_append` and reopens on request.
+
+    A reopen refused by :func:`open_append` (something other than a regular file put at the
+    path) fails only that record, as a handler's error: the caller never sees it, and the next
+    record tries again.
+    """
 
     reopen_requested = False
 
@@ -54,9 +120,17 @@ class PrivateLogFile(logging.handlers.WatchedFileHandler):
             self.reopen_requested = False
             if self.stream is not None:
                 self.stream.close()
+                self.stream = None  # a refused reopen leaves none: the next record opens again
             self.stream = self._open()
             self._statstream()
         super().emit(record)
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        try:
+            return super().handle(record)
+        except ConfigError:  # raised by a reopen, outside logging's own error handling
+            self.handleError(record)
+            return True
 
 
 def log_file_error(log_file: Path, err: OSError) -> ConfigError:
@@ -81,10 +155,7 @@ def logging_to(log_file: Path | None, level: str) -> Iterator[None]:
     handlers: list[logging.Handler] = []
     file_handler: PrivateLogFile | None = None
     if log_file is not None:
-        try:
-            file_handler = PrivateLogFile(log_file, encoding="utf-8")
-        except OSError as err:
-            raise log_file_error(log_file, err) from err
+        file_handler = PrivateLogFile(log_file, encoding="utf-8")
         handlers.append(file_handler)
     if log_file is None or not _stderr_is(log_file):
         handlers.append(logging.StreamHandler(sys.stderr))

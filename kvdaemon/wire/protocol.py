@@ -12,6 +12,12 @@ how many containers and items it may hold, so no message can make the daemon
 allocate much or spend long unpacking it. Every field an op reads goes through ``Args``, which
 raises ``BadRequest`` naming the field on a wrong type or range, so a handler
 validates everything before it changes anything.
+
+The byte cap is also the control socket's ZeroMQ ``MAXMSGSIZE``: a request frame longer
+than ``MAX_MESSAGE_BYTES`` gets no reply at all (ZeroMQ drops the connection silently; a
+DEALER reconnects by itself, the request is lost), so the sender waits for its own timeout.
+``request`` refuses such a request before sending it (``BadRequest``); a raw client must
+keep its requests within the cap and poll its socket with a receive timeout.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import msgpack
 from kvdaemon.errors import BadRequest, KVDaemonError, from_code
 
 PROTOCOL_VERSION = 2  # 2: a wake's logical pages in parts (WakeNotice.parts)
-MAX_MESSAGE_BYTES = 1 << 20
+MAX_MESSAGE_BYTES = 1 << 20  # also the control socket's MAXMSGSIZE: a longer frame is dropped, unanswered
 MAX_LIST_LEN = 1 << 16
 MAX_REQUEST_LIST_LEN = 8192  # a request's longest list: a grow's or shrink's pages (handles.MAX_GROW_PAGES), twice
 MAX_VIRTUAL_PAGES = 1 << 24  # logical pages a tenant may reserve

@@ -1,5 +1,6 @@
 """Where the daemon logs: stderr in the foreground, a private log file when asked (or when
-detached), the startup line, rotation by rename (with or without SIGHUP), planted symlinks."""
+detached), the startup line, rotation by rename (with or without SIGHUP), planted symlinks,
+and a log path that is no regular file (a FIFO, a directory, a device, /proc, a symlink)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
+
+from kvdaemon.cli.logs import open_append
+from kvdaemon.errors import ConfigError
 
 from tests.conftest import small_spec
 from tests.kvdaemon.cli import test_cli_lifecycle as lifecycle_tests
@@ -92,7 +99,8 @@ def test_planted_symlinks_are_not_followed(cli: Cli, tmp_path: Path) -> None:
     done = cli.start()
     assert done.returncode == 2
     assert done.stderr.strip() == (
-        f"error CONFIG: cannot open log file {cli.paths.log_file}: Too many levels of symbolic links"
+        f"error CONFIG: cannot use log file {cli.paths.log_file}: it is a symbolic link (to {victim}), "
+        "never followed; give the file itself with --log-file"
     )
     cli.paths.log_file.unlink()
 
@@ -109,3 +117,105 @@ def test_a_log_file_in_a_missing_directory_names_the_fix(cli: Cli, tmp_path: Pat
         assert done.returncode == 2
         assert done.stderr.strip() == (f"error CONFIG: cannot open log file {log_file}: No such file or directory; "
                                        f"create its directory {log_file.parent} first, or name another --log-file")
+
+
+def _fifo(tmp_path: Path) -> tuple[Path, str]:
+    os.mkfifo(tmp_path / "fifo")
+    return tmp_path / "fifo", "not a regular file (a FIFO); name a regular file with --log-file"
+
+
+def _directory(tmp_path: Path) -> tuple[Path, str]:
+    (tmp_path / "logs").mkdir()
+    return tmp_path / "logs", "not a regular file (a directory); name a regular file with --log-file"
+
+
+def _char_device(_tmp_path: Path) -> tuple[Path, str]:
+    return Path("/dev/null"), "not a regular file (a character device); name a regular file with --log-file"
+
+
+def _symlink(tmp_path: Path) -> tuple[Path, str]:
+    (tmp_path / "real.log").write_text("")
+    (tmp_path / "link.log").symlink_to(tmp_path / "real.log")
+    return tmp_path / "link.log", (
+        f"it is a symbolic link (to {tmp_path / 'real.log'}), never followed; give the file itself with --log-file"
+    )
+
+
+def _unseekable(_tmp_path: Path) -> tuple[Path, str]:
+    """A regular file by ``stat`` that cannot be appended to (as root: as others the open is refused)."""
+    if not os.access("/proc/version", os.W_OK):
+        pytest.skip("/proc/version is not writable by this user (refused with EACCES instead)")
+    return Path("/proc/version"), (
+        "it cannot be appended to (Invalid argument); name a regular file with --log-file"
+    )
+
+
+UNUSABLE = [_fifo, _directory, _char_device, _symlink, _unseekable]
+
+
+@pytest.mark.parametrize("unusable", UNUSABLE, ids=lambda make: make.__name__.strip("_"))
+@pytest.mark.parametrize("mode", [(), ("--foreground",)], ids=["detached", "foreground"])
+def test_a_log_file_that_is_no_regular_file_is_refused_in_one_line(
+    cli: Cli, tmp_path: Path, unusable: Callable[[Path], tuple[Path, str]], mode: tuple[str, ...]
+) -> None:
+    path, why = unusable(tmp_path)
+    done = cli.run("start", *mode, *HOST_FLAGS, "--log-file", str(path), timeout_s=30)  # a FIFO hung here
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"error CONFIG: cannot use log file {path}: {why}\n"  # one line, no traceback
+    assert not cli.paths.control_socket.exists() and not cli.paths.pid_file.exists()
+    assert cli.run("status").returncode == 1  # no daemon left running
+    if path.name == "link.log":
+        assert (tmp_path / "real.log").read_text() == ""  # never written through
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_open_append_refuses_a_fifo_someone_reads_without_blocking_or_leaking(tmp_path: Path) -> None:
+    fifo, why = _fifo(tmp_path)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # the open for writing would succeed now
+    try:
+        before = open_fds()
+        with pytest.raises(ConfigError) as refused:
+            open_append(fifo)
+        assert str(refused.value) == f"cannot use log file {fifo}: {why}"
+        assert refused.value.code == "CONFIG"
+        assert open_fds() == before
+        assert os.read(reader, 100) == b""  # nothing written
+    finally:
+        os.close(reader)
+
+
+def test_open_append_creates_0600_appends_to_an_existing_file_and_blocks(tmp_path: Path) -> None:
+    created = tmp_path / "new.log"
+    fd = open_append(created)
+    try:
+        assert oct(created.stat().st_mode & 0o777) == oct(0o600)
+        assert os.get_blocking(fd)  # O_NONBLOCK was for the open only
+    finally:
+        os.close(fd)
+    existing = tmp_path / "old.log"
+    existing.write_text("kept\n")
+    existing.chmod(0o640)
+    fd = open_append(existing)
+    try:
+        os.write(fd, b"added\n")
+    finally:
+        os.close(fd)
+    assert existing.read_text() == "kept\nadded\n"
+    assert oct(existing.stat().st_mode & 0o777) == oct(0o640)  # an existing file keeps its mode
+
+
+def test_a_fifo_put_where_the_log_was_rotated_fails_only_its_records(cli: Cli) -> None:
+    pid = cli.started_pid()
+    log_file = cli.paths.log_file
+    log_file.rename(log_file.with_name("kvdaemon.log.1"))
+    os.mkfifo(log_file)  # the daemon's reopen used to block on it for ever, with every request
+    with cli.client() as client:
+        client.lease("after-fifo", small_spec(), num_virtual_pages=1).close()
+    assert alive(pid) and cli.run("status").returncode == 0
+    log_file.unlink()  # a regular file again: the next record opens it
+    with cli.client() as client:
+        client.lease("after-unlink", small_spec(), num_virtual_pages=1).close()
+    wait_until(lambda: log_file.exists() and "after-unlink" in log_file.read_text())
