@@ -27,24 +27,26 @@ Every field is checked, and the policy written to disk, before anything
 changes; a refused request changes nothing. A policy's min above its max is
 ``BAD_REQUEST``; a max above the capacity, or a tenant's own min above the
 policy's max, is clamped and the reply says so (``clamped``). The sum of all
-``min_bytes`` must fit in the capacity (``NO_MEMORY``); a tenant's own min (one
-its policy does not set) must fit beside the mins the operator promised to names
-not registered too (``PolicyBook.promised``), so a tenant cannot take them by
-asking first. An operator's min for a name not registered is kept even where it
-does not fit now; the reply says so (``warnings``), and that tenant's
-registration is refused until the guarantees in its way are released or lowered.
+``min_bytes`` must fit in the capacity (``NO_MEMORY``). A tenant's own min (one
+its policy does not set) is also clamped to what the operator's mins for names not
+registered leave (``PolicyBook.promised``), so no tenant takes by asking first what
+was promised to another: at registration, and whenever its min would rise (its own
+change, or the operator removing its policy's min); a min it holds is not lowered
+by a promise made later. An operator's min for a name not registered is kept even
+where it does not fit now; the reply says so (``warnings``), and a tenant of that
+name is refused until the guarantees in its way are released or lowered.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvdaemon.daemon.grants import Grants
 from kvdaemon.daemon.policies import (
-    EMPTY, MAX_WEIGHT, MIN_WEIGHT, Bounded, Limits, OwnLimits, Policy, bound, request_policy, sets_min,
+    EMPTY, MAX_WEIGHT, MIN_WEIGHT, Bounded, Clamp, Limits, OwnLimits, Policy, bound, request_policy, sets_min,
 )  # fmt: skip
 from kvdaemon.daemon.policy_book import PolicyBook
 from kvdaemon.daemon.ports import LeasePort, notify
@@ -69,12 +71,10 @@ class LimitPlan:
 
 
 def plan_limit(
-    tenant: Tenant, limits: Limits, revision: int | None, capacity_bytes: int, others_min_bytes: int,
-    promised: dict[str, int] | None = None,
+    tenant: Tenant, limits: Limits, revision: int | None, capacity_bytes: int, others_min_bytes: int
 ) -> LimitPlan:
     """Check ``limits`` for ``tenant`` at ``revision`` (module docstring); raise, or return
-    the plan. ``promised``: the operator's mins for names not registered that its min must
-    fit beside (none where its policy sets the min)."""
+    the plan."""
     if revision is None:
         revision = tenant.limit_revision + 1
     if revision > MAX_REVISION:
@@ -87,22 +87,18 @@ def plan_limit(
         if limits != tenant.current_limits():
             raise Conflict(f"revision {revision} was already applied with other values")
         return LimitPlan(tenant, limits, revision, changed=False)
-    rises = limits.min_bytes > tenant.min_bytes  # one kept or lowered fits as it did (promises came later)
-    if rises and others_min_bytes + sum((promised or {}).values()) + limits.min_bytes > capacity_bytes:
+    rises = limits.min_bytes > tenant.min_bytes  # one kept or lowered fits as it did
+    if rises and others_min_bytes + limits.min_bytes > capacity_bytes:
         raise NoMemory(
             f"min {format_bytes(limits.min_bytes)} does not fit next to "
             f"{format_bytes(others_min_bytes)} guaranteed to others in {format_bytes(capacity_bytes)}"
-            f"{promised_text(promised)}"
         )
     return LimitPlan(tenant, limits, revision, changed=True)
 
 
-def promised_text(promised: dict[str, int] | None) -> str:
-    """``; 16.0 MiB more promised by the operator to 'y' (not registered)``, or nothing."""
-    if not promised:
-        return ""
-    names = ", ".join(repr(name) for name in sorted(promised)[:4]) + (", ..." if len(promised) > 4 else "")
-    return f"; {format_bytes(sum(promised.values()))} more promised by the operator to {names} (not registered)"
+def promised_names(promised: dict[str, int]) -> str:
+    """``'y', 'z'`` (the first four names, sorted)."""
+    return ", ".join(repr(name) for name in sorted(promised)[:4]) + (", ..." if len(promised) > 4 else "")
 
 
 def commit_limit(plan: LimitPlan) -> None:
@@ -156,35 +152,54 @@ class Limiter:
         """The limits a tenant ``name`` asking ``own`` gets; ``NoMemory`` if its min does not fit
         (beside the operator's promises to others too, where the min is its own)."""
         policy = self.policies.effective(name)
-        bounded = bound(own, policy, self.capacity_bytes)
         guaranteed = self.tenants.guaranteed_bytes()
-        promised = self._promised(name, policy)
-        if guaranteed + sum(promised.values()) + bounded.limits.min_bytes > self.capacity_bytes:
+        bounded = self._within_promises(name, bound(own, policy, self.capacity_bytes), policy, 0, guaranteed)
+        if guaranteed + bounded.limits.min_bytes > self.capacity_bytes:
             raise NoMemory(
                 f"min {format_bytes(bounded.limits.min_bytes)} of {name!r} does not fit: "
                 f"{format_bytes(guaranteed)} of {format_bytes(self.capacity_bytes)} "
-                f"already guaranteed{promised_text(promised)}"
+                "already guaranteed"
             )
         return bounded
 
-    def _promised(self, name: str, policy: Policy) -> dict[str, int]:
-        """What a min of ``name`` under ``policy`` must fit beside, besides the registered tenants'
-        guarantees: nothing where the policy sets that min (the operator's word: first come,
-        first served among the operator's own promises), else the operator's mins for names not
-        registered. O(policies)."""
-        if sets_min(policy):
-            return {}
-        return self.policies.promised(self.capacity_bytes, (t.name for t in self.tenants), other_than=name)
+    def _within_promises(
+        self, name: str, bounded: Bounded, policy: Policy, held_bytes: int, others_bytes: int
+    ) -> Bounded:
+        """``bounded`` with a min of the tenant's own that would rise past ``held_bytes`` (the
+        min it has) clamped to what the operator's mins for names not registered leave beside
+        ``others_bytes`` (the other tenants' guarantees), or to ``held_bytes`` where that is
+        more. A min that does not fit beside ``others_bytes`` alone is left as it is, to be
+        refused (``NO_MEMORY``), as one its policy sets is: the operator's word, first come,
+        first served among the operator's own (see the module docstring). O(policies)."""
+        wanted = bounded.limits.min_bytes
+        if sets_min(policy) or wanted <= held_bytes:
+            return bounded
+        promised = self.policies.promised(self.capacity_bytes, (t.name for t in self.tenants), other_than=name)
+        room = self.capacity_bytes - others_bytes - sum(promised.values())
+        if wanted <= room or wanted > self.capacity_bytes - others_bytes:  # fits, or refused whatever promised
+            return bounded
+        applied = max(room, held_bytes, 0)
+        clamp = Clamp("min", wanted, applied, f"promised by the operator to {promised_names(promised)}")
+        return Bounded(replace(bounded.limits, min_bytes=applied), (*bounded.clamped, clamp))
 
     def _unfit(self, name: str, bounded: Bounded) -> list[str]:
-        """Why a min the operator just set for ``name`` (not registered) cannot be honoured now:
-        its registration would be refused (``for_registration``); empty when it fits."""
+        """Why a min the operator just set for ``name`` (not registered) may not be honoured: it
+        does not fit beside the registered tenants' guarantees now (its registration would be
+        refused), or the operator's mins for names not registered pass what those leave (the
+        last to register are refused). Empty when neither."""
         min_bytes, guaranteed = bounded.limits.min_bytes, self.tenants.guaranteed_bytes()
-        if guaranteed + min_bytes <= self.capacity_bytes:
+        if not min_bytes:
             return []
-        return [f"min {format_bytes(min_bytes)} does not fit now: {format_bytes(guaranteed)} of "
-                f"{format_bytes(self.capacity_bytes)} are guaranteed to registered tenants; a tenant {name!r} "
-                "is refused until they release or lower theirs"]  # fmt: skip
+        if guaranteed + min_bytes > self.capacity_bytes:
+            return [f"min {format_bytes(min_bytes)} does not fit now: {format_bytes(guaranteed)} of "
+                    f"{format_bytes(self.capacity_bytes)} are guaranteed to registered tenants; a tenant {name!r} "
+                    "is refused until they release or lower theirs"]  # fmt: skip
+        promised = self.policies.promised(self.capacity_bytes, (t.name for t in self.tenants))
+        if guaranteed + sum(promised.values()) > self.capacity_bytes:
+            return [f"the operator's mins for names not registered add up to {format_bytes(sum(promised.values()))}, "
+                    f"past the {format_bytes(self.capacity_bytes - guaranteed)} left beside registered tenants' "
+                    "guarantees: those that register last are refused"]  # fmt: skip
+        return []
 
     def set_limit(self, args: Args, by_owner: Tenant | None) -> dict[str, Any]:
         """Serve ``set_limit`` (module docstring); ``by_owner``: the tenant whose token it carries."""
@@ -211,8 +226,8 @@ class Limiter:
             return {"result": "stored", "registered": False, "revision": None, "changed": True,
                     **self._report(name, bounded, registered=False), "warnings": warnings}  # fmt: skip
         assert tenant.own is not None
-        bounded = bound(tenant.own, policy, self.capacity_bytes)
-        plan = self._plan(tenant, bounded, revision, policy)
+        bounded = self._bound_registered(tenant, tenant.own, policy)
+        plan = self._plan(tenant, bounded, revision)
         self.policies.store(name, layer)
         return self._commit(plan, bounded, "by an admin")
 
@@ -231,18 +246,22 @@ class Limiter:
             tenant.own.weight if weight is None else weight,
         )
         check_own(own, self.capacity_bytes)
-        policy = self.policies.effective(tenant.name)
-        bounded = bound(own, policy, self.capacity_bytes)
+        bounded = self._bound_registered(tenant, own, self.policies.effective(tenant.name))
         # its own revision may not jump: a tenant could otherwise spend them all and shut the operator out
         revision = args.opt_int("revision", 1, min(tenant.limit_revision + 1, MAX_REVISION))
-        plan = self._plan(tenant, bounded, revision, policy)
+        plan = self._plan(tenant, bounded, revision)
         tenant.own = own
         return self._commit(plan, bounded, BY_OWNER)
 
-    def _plan(self, tenant: Tenant, bounded: Bounded, revision: int | None, policy: Policy) -> LimitPlan:
+    def _bound_registered(self, tenant: Tenant, own: OwnLimits, policy: Policy) -> Bounded:
+        """The limits of registered ``tenant`` asking ``own`` under ``policy``, within the promises."""
         others = self.tenants.guaranteed_bytes(other_than=tenant)
-        promised = self._promised(tenant.name, policy)
-        return plan_limit(tenant, bounded.limits, revision, self.capacity_bytes, others, promised)
+        bounded = bound(own, policy, self.capacity_bytes)
+        return self._within_promises(tenant.name, bounded, policy, tenant.min_bytes, others)
+
+    def _plan(self, tenant: Tenant, bounded: Bounded, revision: int | None) -> LimitPlan:
+        others = self.tenants.guaranteed_bytes(other_than=tenant)
+        return plan_limit(tenant, bounded.limits, revision, self.capacity_bytes, others)
 
     def _commit(self, plan: LimitPlan, bounded: Bounded, by: str) -> dict[str, Any]:
         tenant = plan.tenant

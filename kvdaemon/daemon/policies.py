@@ -212,7 +212,8 @@ def bound(own: OwnLimits, policy: Policy, capacity_bytes: int) -> Bounded:
     policy_min = _resolved(policy.min, capacity_bytes)
     min_bytes = own.min_bytes if policy_min is None else policy_min
     if min_bytes > max_bytes:
-        clamped.append(Clamp("min", min_bytes, max_bytes, "above the max"))
+        clamped.append(Clamp("min", min_bytes, max_bytes, "above the capacity" if max_bytes >= capacity_bytes
+                             else "above the max"))
         min_bytes = max_bytes
     weight = own.weight if not isinstance(policy.weight, float) else policy.weight
     return Bounded(Limits(max_bytes, min_bytes, weight), tuple(clamped))

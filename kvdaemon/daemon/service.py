@@ -250,6 +250,7 @@ class Service:
             "tenant_id": tenant.tenant_id, "token": tenant.token,
             "page_size": self.pages.page_size_bytes, "num_segments": spec.num_segments,
             "backend": self.backend.name, "max_bytes": limits.max_bytes, "limit": tenant.limits(),
+            "clamped": [clamp.to_json() for clamp in bounded.clamped],
         }
 
     def _make_room(self, routing_id: bytes) -> int:

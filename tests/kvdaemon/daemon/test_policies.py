@@ -108,6 +108,8 @@ def test_bound_reports_what_it_clamps() -> None:
     own_min = bound(OwnLimits(None, 300 * MiB, 1.0), policy(max="256MiB"), CAPACITY)
     assert own_min.limits == Limits(256 * MiB, 256 * MiB, 1.0)
     assert own_min.clamped == (Clamp("min", 300 * MiB, 256 * MiB, "above the max"),)
+    no_max = bound(NO_OWN, policy(min="2GiB"), CAPACITY)  # no max but the capacity's
+    assert no_max.clamped == (Clamp("min", 2048 * MiB, CAPACITY, "above the capacity"),)
 
 
 # -- the book: which layer wins ---------------------------------------------------------------

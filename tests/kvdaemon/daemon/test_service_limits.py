@@ -164,39 +164,45 @@ def test_a_policy_min_that_does_not_fit_refuses_the_registration(h: Harness) -> 
     )
 
 
-def test_a_tenants_own_min_cannot_take_what_the_operator_promised_to_a_name_not_registered() -> None:
+def test_a_tenants_own_min_is_clamped_to_what_the_operators_promises_leave() -> None:
     h = config_harness(y={"min": "16MiB"})
-    reply = h.call("register", name="x", spec=small_spec().to_wire(), num_virtual_pages=8, min_bytes=20 * MiB)
-    assert reply["error"]["code"] == "NO_MEMORY"
-    assert reply["error"]["message"] == (
-        "min 20.0 MiB of 'x' does not fit: 0 B of 32.0 MiB already guaranteed; "
-        "16.0 MiB more promised by the operator to 'y' (not registered)"
-    )
-    assert h.ok("status")["tenants"] == [], "the refused registration left nothing"
-    x = h.register("x", min_bytes=16 * MiB)  # what the promise leaves
-    assert h.register("y")["limit"]["min_bytes"] == 16 * MiB, "the promise is kept"
-    refused = h.call("set_limit", name="x", token=x["token"], min_bytes=17 * MiB)
-    assert refused["error"]["code"] == "NO_MEMORY"
+    x = h.register("x", min_bytes=20 * MiB)
+    assert x["limit"]["min_bytes"] == 16 * MiB, "the promise to y is kept"
+    assert x["clamped"] == [{"field": "min", "requested_bytes": 20 * MiB, "applied_bytes": 16 * MiB,
+                             "reason": "promised by the operator to 'y'"}]  # fmt: skip
+    assert h.register("z")["limit"]["min_bytes"] == 0, "a tenant asking no min always fits"
+    assert h.register("y")["limit"]["min_bytes"] == 16 * MiB
+    assert h.error("set_limit", name="x", token=x["token"], min_bytes=17 * MiB) == "NO_MEMORY"  # y's is held now
     h.backend.close()
 
 
-def test_the_operators_own_mins_are_first_come_and_a_later_promise_leaves_kept_mins_alone(h: Harness) -> None:
+def test_a_promise_made_later_leaves_a_held_min_alone_and_clamps_its_rises(h: Harness) -> None:
     x = h.register("x", min_bytes=24 * MiB)  # before any promise
     stored = h.ok("set_limit", name="y", min="16MiB")
     assert len(stored["warnings"]) == 1 and "does not fit now" in stored["warnings"][0]
-    assert h.ok("set_limit", name="x", token=x["token"], weight=2.0)["changed"], "its kept min is not re-judged"
-    raised = h.call("set_limit", name="x", token=x["token"], min_bytes=25 * MiB)
-    assert raised["error"]["code"] == "NO_MEMORY"
-    assert raised["error"]["message"] == (
-        "min 25.0 MiB does not fit next to 0 B guaranteed to others in 32.0 MiB; "
-        "16.0 MiB more promised by the operator to 'y' (not registered)"
-    )
+    assert h.ok("set_limit", name="x", token=x["token"], weight=2.0)["limit"]["min_bytes"] == 24 * MiB
+    raised = h.ok("set_limit", name="x", token=x["token"], min_bytes=28 * MiB)
+    assert raised["limit"]["min_bytes"] == 24 * MiB, "a rise stops at what it holds: the promise leaves 16 MiB"
+    assert raised["clamped"][0]["reason"] == "promised by the operator to 'y'"
     assert h.error("register", name="y", spec=small_spec().to_wire(), num_virtual_pages=8) == "NO_MEMORY"
     h.ok("set_limit", name="x", token=x["token"], min_bytes=8 * MiB)  # x lowers its own: y fits
     assert h.register("y")["limit"]["min_bytes"] == 16 * MiB
-    h.ok("set_limit", name="a", min="8MiB")
-    h.ok("set_limit", name="b", min="8MiB")  # promises past what is left: the operator's own, first come
-    assert h.register("a")["limit"]["min_bytes"] == 8 * MiB
+
+
+def test_the_operators_own_mins_are_first_come_and_an_operator_may_remove_a_policy_min(h: Harness) -> None:
+    h.register("t", min_bytes=12 * MiB)
+    h.ok("set_limit", name="t", min="4MiB")  # the policy's min replaces its own
+    h.ok("set_limit", name="p", min="20MiB")
+    removed = h.ok("set_limit", name="t", min="none")  # its own 12 MiB comes back, within the promise
+    assert removed["limit"]["min_bytes"] == 12 * MiB, "32 - 20 promised leaves 12"
+    h.ok("set_limit", name="p", reset=True)
+    assert h.ok("set_limit", name="a", min="16MiB")["warnings"] == []
+    stored = h.ok("set_limit", name="b", min="16MiB")  # promises past what is left: the operator's own
+    assert stored["warnings"] == [
+        "the operator's mins for names not registered add up to 32.0 MiB, past the 20.0 MiB left beside "
+        "registered tenants' guarantees: those that register last are refused"
+    ]
+    assert h.register("a")["limit"]["min_bytes"] == 16 * MiB
     assert h.error("register", name="b", spec=small_spec().to_wire(), num_virtual_pages=8) == "NO_MEMORY"
 
 
