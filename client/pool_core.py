@@ -434,6 +434,7 @@ class PoolCore:
     def drop_all_pages(self) -> None:
         """Unmap every page here (without telling the daemon) and empty the allocator."""
         self.segments.drop_pages(self.segments.pages)
+        self.segments.release_hold()  # a warm sleeper's: nothing of it is mapped back now
         self.allocator = self.new_allocator()
         self.sleeping_allocator = None
 

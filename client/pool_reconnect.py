@@ -195,6 +195,7 @@ def _move_pages(core: PoolCore, lease: Lease) -> None:
         log.warning("pool %s: asleep when its daemon died; it wakes empty", core.name)
         core.allocator = core.new_allocator()
         core.sleeping_allocator = None
+        core.segments.release_hold()  # its warm pages died with the daemon: nothing to map back
         core.num_block_losses += 1
     _switch(core, lease)
 

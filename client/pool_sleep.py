@@ -21,6 +21,10 @@ Sleep (``sleep_pool``), in the order that keeps both sides agreeing:
 Wake (``wake_pool``): the daemon's grant is imported and mapped at the same
 logical pages (same addresses); a warm pool gets its allocator back (with any
 page granted late before the sleep as a spare page), a cold one a fresh one.
+From the unmap at the sleep to the wake (or the map back of a refused sleep), the
+pool holds the part of its process's cap on memory mappings that its pages made
+(``SegmentMap.hold``), so the other pools of the process cannot take the room its
+wake needs (the host backend's cap: ``vm.max_map_count``).
 
 Cost: one unmap and one map per page and segment, one round trip each way.
 """
@@ -60,12 +64,15 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
         if notice.mode == "warm":
             core.return_all_spare()  # empty pages are not worth a copy to host memory
         allocator = core.allocator
+        made = core.segments.mappings_made()
         pages = core.segments.unmap_all()
+        core.segments.hold(made)  # room under the process's map cap to map them back (refused, or a warm wake)
         core.allocator = core.new_allocator()
         core.cell.move(PoolState.SLEEP_PENDING)
         try:
             core.lease.sleep_ready(notice.sleep_id)
         except KVDaemonError as exc:
+            core.segments.release_hold()
             core.segments.map_all(pages)
             core.allocator = allocator
             gone = isinstance(exc, DaemonUnreachable)
@@ -81,6 +88,7 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
             core.sleeping_allocator = allocator
             core.cell.move(PoolState.ASLEEP_WARM)
         else:
+            core.segments.release_hold()  # a cold wake maps what it is granted, as a grow does
             core.num_block_losses += 1
             core.cell.move(PoolState.ASLEEP_COLD)
     log.info("pool %s is asleep (%s)", core.name, notice.mode)
@@ -93,6 +101,7 @@ def wake_pool(core: PoolCore, notice: WakeNotice) -> None:
             log.warning("pool %s: a wake notice while %s; ignored", core.name, core.state.value)
             return
         granted = core.lease.receive_pages(notice.grant_id, notice.logical_pages) if notice.logical_pages else {}
+        core.segments.release_hold()  # held since the sleep: room for these mappings
         core.segments.map_all(granted)
         # The wake notice's mode decides: the daemon may have made a warm sleep cold meanwhile
         # (`kvdaemon sleep --cold`), and then the blocks of the old allocator are gone.

@@ -35,6 +35,7 @@ class SegmentMap:
         self.page_bytes = page_bytes
         self.bases: list[int] = []
         self.pages: dict[int, list[PhysicalPage]] = {}
+        self.num_held_mappings = 0  # of the process's cap, for pages to map back (``hold``)
 
     def reserve(self) -> None:
         """Reserve one range per segment; all or nothing."""
@@ -47,7 +48,8 @@ class SegmentMap:
             raise
 
     def free_ranges(self) -> None:
-        """Give the ranges back; every page must be unmapped first."""
+        """Give the ranges back (and any hold); every page must be unmapped first."""
+        self.release_hold()
         for base in self.bases:
             self.backend.free_range(base)
         self.bases.clear()
@@ -59,6 +61,26 @@ class SegmentMap:
     def mappable_pages(self) -> int:
         """Logical pages this process may still map (``Backend.mappable_pages``). O(1)."""
         return self.backend.mappable_pages() // self.num_segments
+
+    def mappings_made(self) -> int:
+        """The OS mappings the mapped pages add to the bare ranges (each range: its runs of
+        unmapped pages and its mapped pages, less the one a bare range is). O(p log p)."""
+        mapped = sorted(self.pages)
+        if not mapped:
+            return 0
+        num_runs = sum(1 for before, after in zip(mapped, mapped[1:]) if after > before + 1)
+        num_runs += (mapped[0] > 0) + (mapped[-1] < self.num_virtual_pages - 1)  # before the first, after the last
+        return self.num_segments * (len(mapped) + num_runs - 1)
+
+    def hold(self, num_mappings: int) -> None:
+        """Keep ``num_mappings`` of the process's cap for pages to map back (``Backend.hold_mappings``)."""
+        self.backend.hold_mappings(num_mappings)
+        self.num_held_mappings += num_mappings
+
+    def release_hold(self) -> None:
+        """Give back what ``hold`` kept, before mapping those pages back or dropping them."""
+        self.backend.release_mappings(self.num_held_mappings)
+        self.num_held_mappings = 0
 
     def map(self, lp: int, pages: list[PhysicalPage]) -> None:
         """Map one page per segment at logical page ``lp``; on error nothing stays mapped."""

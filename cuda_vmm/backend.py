@@ -128,6 +128,14 @@ class Backend(Protocol):
         (``sys.maxsize`` where none does). O(1)."""
         ...
 
+    def hold_mappings(self, num_mappings: int) -> None:
+        """Keep ``num_mappings`` of that cap for pages to map back later (a warm sleeper's)."""
+        ...
+
+    def release_mappings(self, num_mappings: int) -> None:
+        """Give back what ``hold_mappings`` kept."""
+        ...
+
     def map_page(self, addr: int, page: PhysicalPage) -> None:
         """Map ``page`` read-write at ``addr``, a free slot of a reserved range."""
         ...

@@ -312,6 +312,12 @@ class CudaBackend:
         """No OS cap binds: ``cuMemMap`` adds no mapping of the process's own."""
         return sys.maxsize
 
+    def hold_mappings(self, num_mappings: int) -> None:
+        """Nothing to keep: no cap binds (``mappable_pages``)."""
+
+    def release_mappings(self, num_mappings: int) -> None:
+        """Nothing kept."""
+
     def map_page(self, addr: int, page: PhysicalPage) -> None:
         drv = self._driver()
         self._book.mark_mapped(addr, page)

@@ -30,7 +30,10 @@ anything more, a thread's stack or a large ``malloc`` included. So the backend
 maps no page that would take its ranges past the cap less a share kept for the
 rest of the process (``max_mappings``), and says how many more pages it may map
 (``mappable_pages``): about 24,000 pages at the default cap where they scatter,
-48 GiB at the default 2 MiB page.
+48 GiB at the default 2 MiB page. The cap is the process's: every started host
+backend of the process (one per ``KVClient``) counts against it, with the mappings
+each holds for pages to map back (``hold_mappings``: a warm sleeper's, whose wake
+must find room for them).
 
 Cost: map and unmap are one ``mmap`` syscall each; releasing is one ``fallocate`` per run
 of consecutive pages.
@@ -43,6 +46,7 @@ import errno
 import fcntl
 import mmap
 import os
+import weakref
 from typing import TYPE_CHECKING
 
 import psutil
@@ -70,6 +74,7 @@ _RESERVE_FLAGS = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
 MAX_MAP_COUNT_PATH = "/proc/sys/vm/max_map_count"
 DEFAULT_MAX_MAP_COUNT = 65530  # Linux's default, where the file cannot be read
 MAP_HEADROOM = 16384  # mappings left to the rest of the process (libraries, thread stacks, malloc), at most
+_STARTED: weakref.WeakSet[HostBackend] = weakref.WeakSet()  # this process's started backends: one cap for all
 
 
 def max_mappings(path: str = MAX_MAP_COUNT_PATH) -> int:
@@ -148,6 +153,7 @@ class HostBackend:
         self._pool_view = 0  # this process's shared mapping of the whole pool, for bulk copies
         self._in_view: set[int] = set()  # created pages whose PTEs the pool view holds
         self.max_mappings = DEFAULT_MAX_MAP_COUNT - MAP_HEADROOM  # read from the OS at start()
+        self.num_held_mappings = 0  # kept for pages to map back (``hold_mappings``)
 
     @property
     def granularity_bytes(self) -> int:
@@ -159,6 +165,7 @@ class HostBackend:
         self._libc = _load_libc()
         self._mmap = self._libc.mmap
         self.max_mappings = max_mappings()
+        _STARTED.add(self)
         if self.num_pages:
             self.pool_fd = os.memfd_create("kvdaemon-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self.pool_fd, self.num_pages * self.page_size_bytes)
@@ -186,6 +193,8 @@ class HostBackend:
         self._created.clear()
         self._libc = None
         self._mmap = _not_started
+        self.num_held_mappings = 0
+        _STARTED.discard(self)
 
     def _lib(self) -> ctypes.CDLL:
         if self._libc is None:
@@ -316,11 +325,26 @@ class HostBackend:
 
     def mappable_pages(self) -> int:
         """Pages this process may still map, however they scatter (two mappings each at worst:
-        see the module docstring). O(1)."""
-        return max(0, self.max_mappings - self._book.num_mappings) // 2
+        see the module docstring). O(started backends)."""
+        return max(0, self._map_cap() - self._book.num_mappings) // 2
+
+    def hold_mappings(self, num_mappings: int) -> None:
+        """Keep ``num_mappings`` of the cap for pages unmapped now and mapped back later (a warm
+        sleeper's); no page of this process maps into them until ``release_mappings``. O(1)."""
+        self.num_held_mappings += num_mappings
+
+    def release_mappings(self, num_mappings: int) -> None:
+        """Give back what ``hold_mappings`` kept (before mapping those pages back). O(1)."""
+        self.num_held_mappings = max(0, self.num_held_mappings - num_mappings)
+
+    def _map_cap(self) -> int:
+        """What this backend's own mappings may reach: ``max_mappings`` less what every other
+        started backend of the process maps or holds, and what this one holds."""
+        others = sum(b._book.num_mappings + b.num_held_mappings for b in list(_STARTED) if b is not self)
+        return self.max_mappings - others - self.num_held_mappings
 
     def map_page(self, addr: int, page: PhysicalPage) -> None:
-        self._book.mark_mapped(addr, page, self.max_mappings)
+        self._book.mark_mapped(addr, page, self._map_cap())
         got = self._mmap(
             addr, self.page_size_bytes, _PROT_RW, _MAP_SHARED | _MAP_FIXED, page.handle, page.offset_bytes
         )

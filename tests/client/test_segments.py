@@ -38,8 +38,10 @@ def test_unmap_all_by_runs_unmaps_exactly_the_mapped_pages_and_maps_back(backend
         for seg in range(2):
             segments.view(seg, 16 * PAGE, torch.uint8)[lp * PAGE : (lp + 1) * PAGE] = 10 * seg + lp
     held = dict(segments.pages)
+    assert segments.mappings_made() == backend._book.num_mappings - 2 == 2 * (7 + 3 - 1)  # 3 gaps: 7 + 3 each
     pages = segments.unmap_all()
     assert pages == held and list(pages) == mapped and segments.pages == {}
+    assert segments.mappings_made() == 0 and backend._book.num_mappings == 2
     for lp in mapped:  # every slot is free again: a map there succeeds, and the bytes came along
         segments.map(lp, pages[lp])
     for seg in range(2):

@@ -10,7 +10,7 @@ import torch
 
 from kvdaemon.client import KVClient, KVPool, KVSpec
 from kvdaemon.client.pool_state import PoolState
-from kvdaemon.errors import Asleep, BadRequest, Conflict, UnknownTenant
+from kvdaemon.errors import Asleep, BadRequest, Conflict, PoolExhausted, UnknownTenant
 from kvdaemon.wire.messages import Notice, WakeNotice
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
@@ -271,3 +271,26 @@ def test_pool_wake_while_another_wake_is_on_its_way(kvd: RunningDaemon) -> None:
     for before, after in zip(written, read(pool, blocks)):
         assert torch.equal(before, after)
     pool.close()
+
+
+def test_a_warm_sleeper_keeps_its_room_under_the_map_cap_for_its_wake(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    sleeper = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=0)
+    other = client.register("b", SPEC, num_prefetch_pages=0, num_spare_pages=0)
+    sleeper.quiesce_hook = lambda: None
+    backend = sleeper.backend
+    blocks = sleeper.alloc(2 * BLOCKS_PER_PAGE)  # two logical pages
+    written = fill(sleeper, blocks)
+    backend.max_mappings -= backend._map_cap() - backend._book.num_mappings  # nothing more may map now
+    client.sleep("a", "warm")
+    with pytest.raises(PoolExhausted, match="vm.max_map_count"):
+        other.alloc(1)  # a's room is held for its wake, unmapped as it is
+    assert client.wake("a")["state"] == "active"
+    for before, after in zip(written, read(sleeper, blocks)):
+        assert torch.equal(before, after)
+    client.sleep("a", "cold")  # a cold sleeper holds nothing: its wake maps as a grow does
+    assert other.alloc(BLOCKS_PER_PAGE)
+    client.wake("a")
+    other.close()
+    sleeper.close()
+    assert backend.num_held_mappings == 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdaemon.cuda_vmm import HostBackend
+from kvdaemon.cuda_vmm import HostBackend, host
 from kvdaemon.cuda_vmm.host import DEFAULT_MAX_MAP_COUNT, MAP_HEADROOM, max_mappings
 from kvdaemon.errors import BackendError
 
@@ -31,6 +31,16 @@ def big_host() -> HostBackend:
     backend = make_host(num_pages=NUM_SLOTS)
     yield backend
     backend.close()
+
+
+def outside(*mine: HostBackend) -> int:
+    """What the process's other started host backends map or hold (other tests' still alive)."""
+    return sum(b._book.num_mappings + b.num_held_mappings for b in list(host._STARTED) if b not in mine)
+
+
+def set_cap(backend: HostBackend, num_mappings: int, *mine: HostBackend) -> None:
+    """Let ``backend`` and ``mine`` make ``num_mappings`` in all, whatever else the process maps."""
+    backend.max_mappings = num_mappings + outside(backend, *mine)
 
 
 def page_for(backend: HostBackend, slot: int):  # noqa: ANN201 - a PhysicalPage
@@ -61,7 +71,7 @@ def test_the_book_counts_the_mappings_the_kernel_makes(big_host: HostBackend) ->
 def test_a_map_past_the_cap_is_refused_before_the_os_sees_it(big_host: HostBackend) -> None:
     start = big_host.reserve(NUM_SLOTS * PAGE_BYTES)
     end = start + NUM_SLOTS * PAGE_BYTES
-    big_host.max_mappings = 2  # the reservation and one more
+    set_cap(big_host, 2)  # the reservation and one more
     assert big_host.mappable_pages() == 0  # one page may split the range in two: none is sure
     middle = start + 4 * PAGE_BYTES
     with pytest.raises(BackendError, match="vm.max_map_count") as refused:
@@ -73,7 +83,7 @@ def test_a_map_past_the_cap_is_refused_before_the_os_sees_it(big_host: HostBacke
     big_host.map_page(start, page_for(big_host, 0))  # an edge slot ends the reservation: one more mapping
     assert big_host._book.num_mappings == kernel_mappings(start, end) == 2
     big_host.unmap(start, PAGE_BYTES)
-    big_host.max_mappings = 1 + 2 * 3 + 1
+    set_cap(big_host, 1 + 2 * 3 + 1)
     assert big_host.mappable_pages() == 3
     for slot in (2, 6, 10):  # three apart: each splits a run, two mappings each
         big_host.map_page(start + slot * PAGE_BYTES, page_for(big_host, slot))
@@ -98,4 +108,32 @@ def test_max_mappings_reads_the_os_cap(tmp_path: Path, text: str, expected: int 
 
 def test_a_started_backend_takes_the_cap_from_the_os(big_host: HostBackend) -> None:
     assert big_host.max_mappings == max_mappings()
-    assert big_host.mappable_pages() == big_host.max_mappings // 2
+    assert big_host.mappable_pages() == (big_host.max_mappings - outside()) // 2
+
+
+def test_every_backend_of_the_process_counts_against_one_cap_with_what_each_holds(big_host: HostBackend) -> None:
+    second = make_host(num_pages=NUM_SLOTS)
+    try:
+        start = big_host.reserve(NUM_SLOTS * PAGE_BYTES)
+        other = second.reserve(NUM_SLOTS * PAGE_BYTES)
+        for backend in (big_host, second):
+            set_cap(backend, 2 + 2 * 2, big_host, second)  # both bare ranges and two scattered pages, in all
+        big_host.map_page(start + 2 * PAGE_BYTES, page_for(big_host, 2))
+        assert second.mappable_pages() == 1, "the other backend's mappings count"
+        second.hold_mappings(2)  # a sleeper's room
+        assert (big_host.mappable_pages(), second.mappable_pages()) == (0, 0)
+        with pytest.raises(BackendError, match="vm.max_map_count"):
+            big_host.map_page(start + 6 * PAGE_BYTES, page_for(big_host, 6))
+        second.release_mappings(2)
+        second.map_page(other + 2 * PAGE_BYTES, page_for(second, 2))
+        assert big_host._book.num_mappings + second._book.num_mappings == 6
+    finally:
+        second.close()
+    assert big_host.mappable_pages() == (6 - 3) // 2, "a closed backend counts no more"
+
+
+def test_a_started_backend_counts_against_the_cap_until_closed() -> None:
+    backend = make_host()
+    assert backend in host._STARTED
+    backend.close()
+    assert backend not in host._STARTED
