@@ -51,6 +51,7 @@ from kvdaemon.client.pool_state import PoolState
 from kvdaemon.errors import BadRequest, Conflict, DaemonUnreachable, KVDaemonError, OverLimit, VersionMismatch
 from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.protocol import PROTOCOL_VERSION
+from kvdaemon.wire.sizes import format_bytes
 
 log = logging.getLogger("kvdaemon.client.pool")
 MOVES_BEFORE_EMPTY = 10  # refused moves (one per agent tick) before the pool joins empty
@@ -143,7 +144,8 @@ def _for_good(core: PoolCore, refusal: KVDaemonError) -> str | None:
     if isinstance(refusal, Conflict):
         theirs, ours = _page_size(core), core.page_bytes
         if theirs is not None and theirs != ours:
-            return (f"its pages are of {theirs} bytes, the pool's KV is laid out on pages of {ours}: restart "
+            return (f"its pages are of {format_bytes(theirs)}, the pool's KV is laid out on pages of "
+                    f"{format_bytes(ours)}: restart "
                     f"the daemon with --page-size {ours}")
     return None
 

@@ -77,15 +77,35 @@ def open_append(path: Path) -> int:
     return fd
 
 
+def _kernel_devices() -> set[int]:
+    """The devices of ``KERNEL_FILE_SYSTEMS`` here (those mounted)."""
+    devices = set()
+    for root in KERNEL_FILE_SYSTEMS:
+        try:
+            devices.add(os.stat(root).st_dev)
+        except OSError:
+            pass
+    return devices
+
+
 _KINDS = (
     (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
     (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
 )  # fmt: skip
 
 
+KERNEL_FILE_SYSTEMS = ("/proc", "/sys")  # their files look regular, but a write there tunes the kernel
+
+
 def _refuse_unusable(path: Path, info: os.stat_result) -> None:
-    """Raise ``ConfigError`` unless ``info`` (``path``'s) is a regular file's."""
+    """Raise ``ConfigError`` unless ``info`` (``path``'s) is a regular file's, and not one of the
+    kernel's (procfs, sysfs: ``KERNEL_FILE_SYSTEMS``, told apart by device)."""
     if stat.S_ISREG(info.st_mode):
+        if info.st_dev in _kernel_devices():
+            raise ConfigError(
+                f"cannot use log file {path}: a kernel file (procfs or sysfs), not a log; "
+                "name a regular file with --log-file"
+            )
         return
     if stat.S_ISLNK(info.st_mode):
         try:

@@ -22,6 +22,7 @@ from kvdaemon.daemon.policies import parse_policy
 from kvdaemon.daemon.policy_file import policy_path, write_policies
 from kvdaemon.errors import DaemonUnreachable, KVDaemonError
 from kvdaemon.wire.messages import LimitNotice, Notice
+from kvdaemon.wire.sizes import format_bytes
 
 from tests.conftest import PAGE_BYTES, short_dir, start_daemon, tenant_rows, wait_until
 
@@ -215,7 +216,8 @@ def counting_refusals(pool: KVPool, gate: threading.Event | None = None) -> list
 
 @pytest.mark.parametrize(("flags", "code", "said"), [
     (("64MiB", "--page-size", str(PAGE_BYTES // 2)), "CONFLICT",
-     [f"its pages are of {PAGE_BYTES // 2} bytes", f"pages of {PAGE_BYTES}:", f"--page-size {PAGE_BYTES})"]),
+     [f"its pages are of {format_bytes(PAGE_BYTES // 2)}", f"pages of {format_bytes(PAGE_BYTES)}:",
+      f"--page-size {PAGE_BYTES})"]),
     (("2MiB",), "BAD_REQUEST", ["more than the 2097152 bytes it could ever hold here"]),
 ])
 def test_a_daemon_that_refuses_a_pool_for_good_is_asked_once_and_its_successor_joined(

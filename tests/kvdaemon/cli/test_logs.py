@@ -141,16 +141,12 @@ def _symlink(tmp_path: Path) -> tuple[Path, str]:
     )
 
 
-def _unseekable(_tmp_path: Path) -> tuple[Path, str]:
-    """A regular file by ``stat`` that cannot be appended to (as root: as others the open is refused)."""
-    if not os.access("/proc/version", os.W_OK):
-        pytest.skip("/proc/version is not writable by this user (refused with EACCES instead)")
-    return Path("/proc/version"), (
-        "it cannot be appended to (Invalid argument); name a regular file with --log-file"
-    )
+def _kernel_file(_tmp_path: Path) -> tuple[Path, str]:
+    """A regular file by ``stat``, the kernel's: refused before it is opened, whoever asks."""
+    return Path("/proc/version"), "a kernel file (procfs or sysfs), not a log; name a regular file with --log-file"
 
 
-UNUSABLE = [_fifo, _directory, _char_device, _symlink, _unseekable]
+UNUSABLE = [_fifo, _directory, _char_device, _symlink, _kernel_file]
 
 
 @pytest.mark.parametrize("unusable", UNUSABLE, ids=lambda make: make.__name__.strip("_"))
