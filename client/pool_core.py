@@ -218,7 +218,12 @@ class PoolCore:
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
             except OverLimit as exc:
                 raise PoolExhausted(f"daemon refused {needed} page(s): {exc.message}") from exc
-            self.map_grant(granted)
+            try:
+                self.map_grant(granted)
+            except BackendError as exc:  # the map cap, met by pages that scattered: what the pool could not map
+                if self.segments.mappable_pages() >= needed:
+                    raise
+                raise PoolExhausted(f"pool {self.name!r}: {exc.message}") from exc
             if ahead:
                 self.ahead_refused_at = float("-inf")
             else:

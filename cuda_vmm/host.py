@@ -29,8 +29,9 @@ default); a map past the cap fails and leaves the process unable to map
 anything more, a thread's stack or a large ``malloc`` included. So the backend
 maps no page that would take its ranges past the cap less a share kept for the
 rest of the process (``max_mappings``), and says how many more pages it may map
-(``mappable_pages``): about 24,000 pages at the default cap where they scatter,
-48 GiB at the default 2 MiB page. The cap is the process's: every started host
+(``mappable_pages``): about 57,000 at the default cap (112 GiB at the default 2 MiB
+page), fewer where pages scatter (two mappings each at worst), more where they
+follow each other in the file (the kernel merges those). The cap is the process's: every started host
 backend of the process (one per ``KVClient``) counts against it, with the mappings
 each holds for pages to map back (``hold_mappings``: a warm sleeper's, whose wake
 must find room for them).
@@ -73,7 +74,7 @@ _FALLOC_PUNCH_HOLE = 0x01 | 0x02  # KEEP_SIZE | PUNCH_HOLE
 _RESERVE_FLAGS = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
 MAX_MAP_COUNT_PATH = "/proc/sys/vm/max_map_count"
 DEFAULT_MAX_MAP_COUNT = 65530  # Linux's default, where the file cannot be read
-MAP_HEADROOM = 16384  # mappings left to the rest of the process (libraries, thread stacks, malloc), at most
+MAP_HEADROOM = 8192  # mappings left to the rest of the process (a torch process maps ~2,500), at most
 _STARTED: weakref.WeakSet[HostBackend] = weakref.WeakSet()  # this process's started backends: one cap for all
 
 
@@ -324,9 +325,10 @@ class HostBackend:
         return pool_fd, st.st_size
 
     def mappable_pages(self) -> int:
-        """Pages this process may still map, however they scatter (two mappings each at worst:
-        see the module docstring). O(started backends)."""
-        return max(0, self._map_cap() - self._book.num_mappings) // 2
+        """Pages this process may still map at a mapping each (a page right after another in the
+        file and the range merges into its mapping; one that lands apart may take two, and its
+        map is refused if that passes the cap). O(started backends)."""
+        return max(0, self._map_cap() - self._book.num_mappings)
 
     def hold_mappings(self, num_mappings: int) -> None:
         """Keep ``num_mappings`` of the cap for pages unmapped now and mapped back later (a warm
