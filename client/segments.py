@@ -63,20 +63,16 @@ class SegmentMap:
         return self.backend.mappable_pages() // self.num_segments
 
     def mappings_made(self) -> int:
-        """The OS mappings the mapped pages add to the bare ranges: per range its runs of unmapped
-        pages and its mapped pages, less the one a bare range is and the neighbours the kernel
-        merges (pages that follow each other in one file, as ``AddressBook`` counts). O(p log p)."""
+        """The OS mappings the mapped pages would add to the bare ranges whatever pages they were:
+        per range its runs of unmapped pages and its mapped pages, less the one a bare range is (the
+        kernel merges pages that follow each other in one file into fewer, but a wake maps pages
+        the daemon restored into, which need not). What a sleeper holds for its wake. O(p log p)."""
         mapped = sorted(self.pages)
         if not mapped:
             return 0
         num_runs = sum(1 for before, after in zip(mapped, mapped[1:]) if after > before + 1)
         num_runs += (mapped[0] > 0) + (mapped[-1] < self.num_virtual_pages - 1)  # before the first, after the last
-        num_merged = sum(
-            1 for before, after in zip(mapped, mapped[1:]) if after == before + 1
-            for first, second in zip(self.pages[before], self.pages[after])
-            if first.handle == second.handle and first.offset_bytes + self.page_bytes == second.offset_bytes
-        )
-        return self.num_segments * (len(mapped) + num_runs - 1) - num_merged
+        return self.num_segments * (len(mapped) + num_runs - 1)
 
     def hold(self, num_mappings: int) -> None:
         """Keep ``num_mappings`` of the process's cap for pages to map back (``Backend.hold_mappings``)."""

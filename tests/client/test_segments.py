@@ -52,6 +52,18 @@ def test_unmap_all_by_runs_unmaps_exactly_the_mapped_pages_and_maps_back(backend
     segments.free_ranges()
 
 
+def test_what_a_sleeper_holds_covers_its_pages_however_the_wake_places_them(backend: HostBackend) -> None:
+    segments = SegmentMap(backend, num_segments=2, num_virtual_pages=16, page_bytes=PAGE)
+    segments.reserve()
+    for lp in range(4):  # each segment's pages follow each other in the file: the kernel merges them
+        segments.map(lp, [backend.create_page(lp), backend.create_page(8 + lp)])
+    assert backend._book.num_mappings == 2 * 2  # per range: one merged run, one bare
+    assert segments.mappings_made() == 2 * (4 + 1 - 1), "as if no page merged: a wake's pages need not"
+    for lp in range(4):
+        segments.release(segments.unmap(lp))
+    segments.free_ranges()
+
+
 class CountingBackend(HostBackend):
     """A host backend that records each unmap call's (address, size)."""
 
