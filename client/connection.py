@@ -15,6 +15,7 @@ blocks any pool's answers to the daemon. The socket opens on the first request.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import threading
@@ -30,7 +31,9 @@ from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolCl
 from kvdaemon.wire.messages import checked_limit
 from kvdaemon.wire.paths import DaemonPaths, default_dir, running_pid
 from kvdaemon.wire.protocol import MAX_VIRTUAL_PAGES, PROTOCOL_VERSION
+from kvdaemon.wire.sizes import format_bytes
 
+log = logging.getLogger("kvdaemon.client")
 
 
 class KVClient:
@@ -282,6 +285,10 @@ class KVClient:
         if page_size is not None:
             args["page_size"] = page_size
         reply = self.call("register", args)
+        for clamp in reply.get("clamped") or []:  # the daemon applied less than asked: said, not silent
+            log.warning("tenant %s: %s %s clamped to %s (%s)", name, clamp.get("field"),
+                        format_bytes(int(clamp.get("requested_bytes", 0))),
+                        format_bytes(int(clamp.get("applied_bytes", 0))), clamp.get("reason"))  # fmt: skip
         lease = Lease(self.paths, self.timeout_s, self.backend(), name, reply)
         try:
             lease.attach()

@@ -6,10 +6,12 @@ input with the same messages.
 
 Invariants: ranges never overlap; every mapped slot lies inside exactly one
 range; a range's ``num_mapped`` equals the mapped slots inside it;
-``num_mappings`` is the OS mappings (Linux VMAs) the ranges make: each range's
-runs of unmapped slots, plus its runs of mapped slots whose pages follow each other
-in one file (same handle, each page's offset right after the last's: the kernel
-merges those into one mapping); a test holds it to ``/proc/self/maps``. Linux caps a process's mappings
+``num_mappings`` is each range's runs of unmapped slots plus its mapped slots:
+the OS mappings (Linux VMAs) the ranges make where no two mapped slots merge (a
+test holds it to ``/proc/self/maps``). The kernel merges neighbours whose pages
+follow each other in one file, so it is never fewer than the OS counts, and it
+never rises on an unmap, though the OS count does where an unmap splits a merged
+mapping: a cap on it bounds the OS count after any unmap too. Linux caps a process's mappings
 (``vm.max_map_count``), and a map past the cap fails and leaves the process
 unable to map anything (no thread, no ``malloc`` of a large block), so a backend
 that makes one mapping per slot passes ``max_mappings`` to ``mark_mapped``.
@@ -110,8 +112,8 @@ class AddressBook:
         if addr in self._mapped:
             raise BackendError(f"address {addr:#x} is already mapped; unmap it first")
         rng = self._range_of(addr)
-        num_split = self._unmapped_neighbours(addr, rng) - self._merging_neighbours(addr, page)
-        if max_mappings is not None and num_split > 0 and self.num_mappings + num_split > max_mappings:
+        num_split = self._unmapped_neighbours(addr, rng)
+        if max_mappings is not None and num_split and self.num_mappings + num_split > max_mappings:
             raise BackendError(
                 f"mapping a page at {addr:#x} would make {self.num_mappings + num_split} memory mappings, past "
                 f"the {max_mappings} this process may use (vm.max_map_count less a share for the rest of the "
@@ -129,18 +131,8 @@ class AddressBook:
             raise BackendError(f"address {addr:#x} is not mapped")
         page, rng = entry
         rng.num_mapped -= 1
-        self.num_mappings -= self._unmapped_neighbours(addr, rng) - self._merging_neighbours(addr, page)
+        self.num_mappings -= self._unmapped_neighbours(addr, rng)
         return page
-
-    def _merging_neighbours(self, addr: int, page: PhysicalPage) -> int:
-        """How many of slot ``addr``'s neighbours map the page right before or after ``page`` in its
-        file (same handle, offsets a page apart): the kernel merges ``page``'s mapping into theirs. O(1)."""
-        size = self.page_size_bytes
-        left, right = self._mapped.get(addr - size), self._mapped.get(addr + size)
-        return ((left is not None and left[0].handle == page.handle
-                 and left[0].offset_bytes + size == page.offset_bytes)
-                + (right is not None and right[0].handle == page.handle
-                   and page.offset_bytes + size == right[0].offset_bytes))
 
     def _unmapped_neighbours(self, addr: int, rng: _Range) -> int:
         """How many of slot ``addr``'s two neighbours in ``rng`` are unmapped: what mapping it adds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import random
 import resource
@@ -23,6 +24,7 @@ from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes  # 512
 LOGICAL_PAGE_BYTES = SPEC.num_segments * PAGE_BYTES  # 8 MiB
+MiB = 1 << 20
 
 
 @pytest.fixture
@@ -559,4 +561,18 @@ def test_a_grow_past_the_processes_mapping_cap_is_refused_before_the_daemon_gran
     pool.backend.max_mappings += SPEC.num_segments  # raised (a freed page elsewhere, or the sysctl)
     assert pool.alloc(BLOCKS_PER_PAGE)
     wait_mapped(client, "a", 2 * LOGICAL_PAGE_BYTES)
+    pool.close()
+
+
+def test_a_registration_whose_min_the_daemon_clamped_says_so(
+    kvd: RunningDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = kvd.client()
+    client.call("set_limit", {"name": "promised", "min": "48MiB"})  # the operator's promise to another name
+    caplog.set_level(logging.WARNING, logger="kvdaemon.client")
+    pool = client.register("a", SPEC, min_bytes=32 * MiB)
+    assert tenant_row(client, "a")["min_bytes"] == 16 * MiB
+    assert [r.getMessage() for r in caplog.records if r.name == "kvdaemon.client"] == [
+        "tenant a: min 32.0 MiB clamped to 16.0 MiB (promised by the operator to 'promised')"
+    ]
     pool.close()
