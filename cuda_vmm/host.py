@@ -23,15 +23,16 @@ does); an unbacked one is only slower. Fresh memory costs a fault per 4 KiB on
 first touch, so the daemon may keep a warm sleeper's released pages backed for
 a wake (``recycles_released_pages``).
 
-Each mapped page is one mapping of the process's own (a VMA: pages granted in
-any order do not merge), and Linux caps them (``vm.max_map_count``, 65,530 by
-default); a map past the cap fails and leaves the process unable to map
-anything more, a thread's stack or a large ``malloc`` included. So the backend
-maps no page that would take its ranges past the cap less a share kept for the
-rest of the process (``max_mappings``), and says how many more pages it may map
-(``mappable_pages``): about 57,000 at the default cap (112 GiB at the default 2 MiB
-page), fewer where pages scatter (two mappings each at worst), more where they
-follow each other in the file (the kernel merges those). The cap is the process's: every started host
+Each mapped page is one mapping of the process's own (a VMA; the kernel merges
+neighbours whose pages follow each other in the file, but an unmap between them
+splits them again, so the backend counts every page apart: ``AddressBook``), and
+Linux caps them (``vm.max_map_count``, 65,530 by default); a map past the cap
+fails and leaves the process unable to map anything more, a thread's stack or a
+large ``malloc`` included. So the backend maps no page that would take its ranges
+past the cap less a share kept for the rest of the process (``max_mappings``),
+and says how many more pages it may map (``mappable_pages``): about 57,000 at the
+default cap (112 GiB at the default 2 MiB page), fewer where pages scatter (two
+mappings each at worst). The cap is the process's: every started host
 backend of the process (one per ``KVClient``) counts against it, with the mappings
 each holds for pages to map back (``hold_mappings``: a warm sleeper's, whose wake
 must find room for them).
@@ -325,9 +326,9 @@ class HostBackend:
         return pool_fd, st.st_size
 
     def mappable_pages(self) -> int:
-        """Pages this process may still map at a mapping each (a page right after another in the
-        file and the range merges into its mapping; one that lands apart may take two, and its
-        map is refused if that passes the cap). O(started backends)."""
+        """Pages this process may still map at a mapping each (a page beside a mapped one or at a
+        range's end; one that lands apart takes two, and its map is refused if that passes the
+        cap). O(started backends)."""
         return max(0, self._map_cap() - self._book.num_mappings)
 
     def hold_mappings(self, num_mappings: int) -> None:
