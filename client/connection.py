@@ -28,10 +28,9 @@ from kvdaemon.client.pool import KVPool, check_wait_s
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolClosed
-from kvdaemon.wire.messages import checked_limit
+from kvdaemon.wire.messages import checked_limit, describe_clamp
 from kvdaemon.wire.paths import DaemonPaths, default_dir, running_pid
 from kvdaemon.wire.protocol import MAX_VIRTUAL_PAGES, PROTOCOL_VERSION
-from kvdaemon.wire.sizes import format_bytes
 
 log = logging.getLogger("kvdaemon.client")
 
@@ -286,9 +285,7 @@ class KVClient:
             args["page_size"] = page_size
         reply = self.call("register", args)
         for clamp in reply.get("clamped") or []:  # the daemon applied less than asked: said, not silent
-            log.warning("tenant %s: %s %s clamped to %s (%s)", name, clamp.get("field"),
-                        format_bytes(int(clamp.get("requested_bytes", 0))),
-                        format_bytes(int(clamp.get("applied_bytes", 0))), clamp.get("reason"))  # fmt: skip
+            log.warning("tenant %s: %s", name, describe_clamp(clamp))
         lease = Lease(self.paths, self.timeout_s, self.backend(), name, reply)
         try:
             lease.attach()

@@ -49,6 +49,7 @@ import fcntl
 import mmap
 import os
 import weakref
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import psutil
@@ -106,6 +107,12 @@ def _load_libc() -> ctypes.CDLL:
 def _os_error(call: str) -> BackendError:
     err = ctypes.get_errno()
     return BackendError(f"{call} failed: {os.strerror(err)}", errno.errorcode.get(err, str(err)))
+
+
+def process_mappings(excluding: Collection[HostBackend] = ()) -> int:
+    """The mappings every started host backend of this process makes or holds, but ``excluding``'s
+    (what the cap is shared with). O(started backends)."""
+    return sum(b._book.num_mappings + b.num_held_mappings for b in list(_STARTED) if b not in excluding)
 
 
 def _runs(pages: list[PhysicalPage]) -> list[list[PhysicalPage]]:
@@ -343,8 +350,7 @@ class HostBackend:
     def _map_cap(self) -> int:
         """What this backend's own mappings may reach: ``max_mappings`` less what every other
         started backend of the process maps or holds, and what this one holds."""
-        others = sum(b._book.num_mappings + b.num_held_mappings for b in list(_STARTED) if b is not self)
-        return self.max_mappings - others - self.num_held_mappings
+        return self.max_mappings - process_mappings(excluding=(self,)) - self.num_held_mappings
 
     def map_page(self, addr: int, page: PhysicalPage) -> None:
         self._book.mark_mapped(addr, page, self._map_cap())

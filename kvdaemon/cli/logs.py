@@ -71,7 +71,7 @@ def open_append(path: Path) -> int:
                 "name a regular file with --log-file"
             ) from err
         os.set_blocking(fd, True)
-    except BaseException:
+    except (ConfigError, OSError):
         os.close(fd)
         raise
     return fd

@@ -22,6 +22,7 @@ from kvdaemon.cli.output import emit, reporting
 from kvdaemon.cli.tenant_wait import wait_for_tenants
 from kvdaemon.client import KVClient
 from kvdaemon.errors import BadRequest, UnknownTenant
+from kvdaemon.wire.messages import describe_clamp
 from kvdaemon.wire.sizes import format_bytes
 
 PIPE_WIDTH = 200
@@ -166,9 +167,7 @@ def limit_text(result: dict[str, Any]) -> str:
                 f"{format_bytes(result['min_bytes'])}, weight {result['weight']:g} "
                 f"(revision {result['revision']}; {policy})")  # fmt: skip
     lines = [head]
-    for clamp in result["clamped"]:
-        lines.append(f"{name}: {clamp['field']} {format_bytes(clamp['requested_bytes'])} clamped to "
-                     f"{format_bytes(clamp['applied_bytes'])} ({clamp['reason']})")  # fmt: skip
+    lines.extend(f"{name}: {describe_clamp(clamp)}" for clamp in result["clamped"])
     lines.extend(f"{name}: {warning}" for warning in result["warnings"])
     page = result.get("logical_page_bytes")
     if page and result["max_bytes"] is not None and result["max_bytes"] < page:

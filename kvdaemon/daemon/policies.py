@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Union
 
 from kvdaemon.errors import BadRequest, ConfigError
+from kvdaemon.wire.messages import describe_clamp
 from kvdaemon.wire.sizes import SizeSpec, format_bytes, parse_size
 
 MIN_WEIGHT = 1e-6
@@ -188,8 +189,7 @@ class Clamp:
 
     def describe(self) -> str:
         """``max 20.00 GiB clamped to 1.00 GiB (above the capacity)``."""
-        return (f"{self.field} {format_bytes(self.requested_bytes)} clamped to "
-                f"{format_bytes(self.applied_bytes)} ({self.reason})")  # fmt: skip
+        return describe_clamp(self.to_json())
 
 
 @dataclass(frozen=True)

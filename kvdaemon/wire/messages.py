@@ -46,6 +46,7 @@ from typing import Any, ClassVar
 
 from kvdaemon.errors import BadRequest
 from kvdaemon.wire.protocol import MAX_INT, MAX_VIRTUAL_PAGES, Args
+from kvdaemon.wire.sizes import format_bytes
 
 OPS = (
     "hello", "register", "grow", "shrink", "heartbeat", "unregister", "status", "set_limit",
@@ -241,6 +242,12 @@ def limit_revision(limit: dict[str, Any]) -> int:
     reply's); 0 without one (a daemon's first limits). O(1)."""
     revision = limit.get("revision")
     return revision if isinstance(revision, int) and not isinstance(revision, bool) else 0
+
+
+def describe_clamp(clamp: dict[str, Any]) -> str:
+    """``max 20.0 GiB clamped to 1.00 GiB (above the capacity)`` from a reply's ``clamped`` entry."""
+    return (f"{clamp['field']} {format_bytes(int(clamp['requested_bytes']))} clamped to "
+            f"{format_bytes(int(clamp['applied_bytes']))} ({clamp['reason']})")  # fmt: skip
 
 
 def checked_limit(told: object) -> dict[str, Any] | None:

@@ -35,7 +35,7 @@ def big_host() -> HostBackend:
 
 def outside(*mine: HostBackend) -> int:
     """What the process's other started host backends map or hold (other tests' still alive)."""
-    return sum(b._book.num_mappings + b.num_held_mappings for b in list(host._STARTED) if b not in mine)
+    return host.process_mappings(excluding=mine)
 
 
 def set_cap(backend: HostBackend, num_mappings: int, *mine: HostBackend) -> None:
