@@ -21,6 +21,9 @@ Sleep (``sleep_pool``), in the order that keeps both sides agreeing:
 Wake (``wake_pool``): the daemon's grant is imported and mapped at the same
 logical pages (same addresses); a warm pool gets its allocator back (with any
 page granted late before the sleep as a spare page), a cold one a fresh one.
+Pages this process cannot import or map (the OS out of memory) go back to the
+daemon, and the pool wakes without its blocks (``num_block_losses``), so both
+sides count the same pages; a refused sleep's map back does the same.
 From the unmap at the sleep to the wake (or the map back of a refused sleep), the
 pool holds the part of its process's cap on memory mappings that its pages made
 (``SegmentMap.hold``), so the other pools of the process cannot take the room its
@@ -35,7 +38,8 @@ import logging
 
 from kvdaemon.client.pool_core import PoolCore
 from kvdaemon.client.pool_state import PoolState
-from kvdaemon.errors import DaemonUnreachable, KVDaemonError
+from kvdaemon.cuda_vmm.backend import PhysicalPage
+from kvdaemon.errors import BackendError, DaemonUnreachable, KVDaemonError
 from kvdaemon.wire.messages import SleepNotice, WakeNotice
 
 log = logging.getLogger("kvdaemon.client.pool")
@@ -73,8 +77,10 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
             core.lease.sleep_ready(notice.sleep_id)
         except KVDaemonError as exc:
             core.segments.release_hold()
-            core.segments.map_all(pages)
-            core.allocator = allocator
+            if _map_back(core, pages, f"back after sleep {notice.sleep_id} was not done"):
+                core.allocator = allocator
+            else:
+                _lose_blocks(core)
             gone = isinstance(exc, DaemonUnreachable)
             core.cell.move(PoolState.DETACHED if gone else PoolState.ACTIVE)
             log.warning("pool %s: sleep %d not done (%s); pages mapped back", core.name, notice.sleep_id, exc)
@@ -95,27 +101,76 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
 
 
 def wake_pool(core: PoolCore, notice: WakeNotice) -> None:
-    """Map the daemon's wake grant at the same logical pages and resume."""
+    """Map the daemon's wake grant at the same logical pages and resume (module docstring).
+
+    The pool ends active whatever this process could map: pages it could not
+    import or map go back to the daemon, and a warm pool that lost any of its
+    pages loses its blocks as a cold one does (``num_block_losses``), so the
+    daemon and the pool agree on what is mapped. Only a lease lost meanwhile
+    leaves it asleep (``pool_reconnect`` takes it from there)."""
     with core.lock:
         if not core.state.asleep:
             log.warning("pool %s: a wake notice while %s; ignored", core.name, core.state.value)
             return
-        granted = core.lease.receive_pages(notice.grant_id, notice.logical_pages) if notice.logical_pages else {}
-        core.segments.release_hold()  # held since the sleep: room for these mappings
-        core.segments.map_all(granted)
+        try:
+            granted = core.lease.receive_pages(notice.grant_id, notice.logical_pages) if notice.logical_pages else {}
+        except KVDaemonError as exc:
+            if core.lease.lost.is_set():
+                raise
+            log.error("pool %s: the %d page(s) of its wake could not be taken in (%s); they go back to the daemon",
+                      core.name, len(notice.logical_pages), exc.message)
+            core.give_back(list(notice.logical_pages))
+            granted, whole = {}, False
+        else:
+            core.segments.release_hold()  # held since the sleep: room for these mappings
+            whole = _map_back(core, granted, "at its wake")
         # The wake notice's mode decides: the daemon may have made a warm sleep cold meanwhile
         # (`kvdaemon sleep --cold`), and then the blocks of the old allocator are gone.
-        if notice.mode == "warm" and core.sleeping_allocator is not None:
+        if whole and notice.mode == "warm" and core.sleeping_allocator is not None:
             core.allocator = core.sleeping_allocator
             for lp in granted:
                 if not core.allocator.is_mapped(lp):  # granted late before the sleep, saved with the rest
                     core.allocator.add_page(lp)  # mapped again: a spare page
+        elif core.sleeping_allocator is not None:
+            _lose_blocks(core)
         else:
-            if core.sleeping_allocator is not None:
-                core.num_block_losses += 1
-            core.allocator = core.new_allocator()
-            for lp in granted:
-                core.allocator.add_page(lp)
+            _fresh_allocator(core)
         core.sleeping_allocator = None
         core.cell.move(PoolState.ACTIVE)
     log.info("pool %s is awake (%s)", core.name, notice.mode)
+
+
+def _map_back(core: PoolCore, pages: dict[int, list[PhysicalPage]], why: str) -> bool:
+    """Map ``pages`` at their logical pages; True when every one is mapped.
+
+    From the first page the backend refuses (the OS's memory, its cap on
+    mappings), that page's and the rest's handles are released and the daemon
+    is told they are gone (``give_back``, retried until it confirms): the pool
+    and the daemon then count the same pages. O(pages)."""
+    lps = list(pages)
+    for i, lp in enumerate(lps):
+        try:
+            core.segments.map(lp, pages[lp])
+        except BackendError as exc:
+            rest = lps[i:]
+            for other in rest:
+                core.segments.release(pages[other])
+            log.error("pool %s: %d of %d page(s) could not be mapped %s (%s); they go back to the daemon "
+                      "and the pool's blocks are lost (num_block_losses)", core.name, len(rest), len(lps), why,
+                      exc.message)
+            core.give_back(rest)
+            return False
+    return True
+
+
+def _lose_blocks(core: PoolCore) -> None:
+    """Drop every block (their pages are not all mapped, or a cold wake): a fresh allocator
+    over the pages mapped now, counted in ``num_block_losses`` as a cold sleep counts it."""
+    core.num_block_losses += 1
+    _fresh_allocator(core)
+
+
+def _fresh_allocator(core: PoolCore) -> None:
+    core.allocator = core.new_allocator()
+    for lp in core.segments.pages:
+        core.allocator.add_page(lp)

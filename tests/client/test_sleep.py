@@ -10,7 +10,7 @@ import torch
 
 from kvdaemon.client import KVClient, KVPool, KVSpec
 from kvdaemon.client.pool_state import PoolState
-from kvdaemon.errors import Asleep, BadRequest, Conflict, PoolExhausted, UnknownTenant
+from kvdaemon.errors import Asleep, BackendError, BadRequest, Conflict, KVDaemonError, PoolExhausted, UnknownTenant
 from kvdaemon.wire.messages import Notice, WakeNotice
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
@@ -294,3 +294,84 @@ def test_a_warm_sleeper_keeps_its_room_under_the_map_cap_for_its_wake(kvd: Runni
     other.close()
     sleeper.close()
     assert backend.num_held_mappings == 0
+
+
+def failing_map(backend: object, monkeypatch: pytest.MonkeyPatch, after: int) -> None:
+    """Make ``backend.map_page`` refuse (as the OS does when out of memory) after ``after`` calls."""
+    real, calls = backend.map_page, [0]
+
+    def map_page(*args: object) -> None:
+        calls[0] += 1
+        if calls[0] > after:
+            raise BackendError("mmap failed: out of memory (a test)")
+        real(*args)
+
+    monkeypatch.setattr(backend, "map_page", map_page)
+
+
+def test_a_warm_wake_this_process_cannot_map_ends_active_with_both_sides_agreeing(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=0)
+    blocks = pool.alloc(3 * BLOCKS_PER_PAGE)  # three logical pages
+    fill(pool, blocks)
+    client.sleep("a", "warm")
+    failing_map(pool.backend, monkeypatch, after=SPEC.num_segments + 1)  # the first page, then one segment
+    assert client.wake("a")["state"] == "active"
+    wait_awake(pool)
+    monkeypatch.undo()
+    assert pool.num_block_losses == 1, "the blocks of the pages not mapped would read garbage"
+    logical = SPEC.num_segments * PAGE_BYTES
+    assert pool.mapped_bytes == logical and pool.num_used_blocks == 0
+    wait_until(lambda: row(client)["mapped_bytes"] == logical, 5, "the daemon still counts the unmapped pages")
+    assert client.status()["free_bytes"] == CAPACITY - logical
+    kvd.check_invariants()
+    assert len(pool.alloc(3 * BLOCKS_PER_PAGE)) == 3 * BLOCKS_PER_PAGE  # the pool grows again
+    pool.close()
+
+
+def test_a_wake_whose_pages_cannot_be_taken_in_ends_active_with_none(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_prefetch_pages=0)
+    fill(pool, pool.alloc(BLOCKS_PER_PAGE))
+    client.sleep("a", "warm")
+    real = pool.lease.receive_pages
+
+    def out_of_step(grant_id: int, logical_pages: list[int], *rest: object) -> object:
+        real(grant_id, logical_pages, *rest)  # read off the channel, then refused (as a bad frame is)
+        raise BadRequest(f"handle channel out of step for grant {grant_id}")
+
+    monkeypatch.setattr(pool.lease, "receive_pages", out_of_step)
+    client.wake("a")
+    wait_awake(pool)
+    assert pool.num_block_losses == 1 and pool.mapped_bytes == 0
+    wait_until(lambda: row(client)["mapped_bytes"] == 0, 5, "the daemon still counts pages the pool never mapped")
+    kvd.check_invariants()
+    pool.close()
+
+
+def test_a_sleep_not_done_whose_pages_cannot_all_be_mapped_back_keeps_both_sides_agreeing(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=0)
+    pool.quiesce_hook = lambda: None
+    fill(pool, pool.alloc(2 * BLOCKS_PER_PAGE))
+
+    def refused(sleep_id: int, refused: bool = False) -> dict:
+        failing_map(pool.backend, monkeypatch, after=SPEC.num_segments)  # the first page maps back, not the second
+        raise Conflict(f"sleep {sleep_id} was cancelled (a test)")
+
+    monkeypatch.setattr(pool.lease, "sleep_ready", refused)
+    with pytest.raises(KVDaemonError):
+        client.sleep("a", "warm")
+    wait_until(lambda: pool.num_block_losses == 1, 5, "the pool kept blocks whose pages are not mapped")
+    monkeypatch.undo()
+    logical = SPEC.num_segments * PAGE_BYTES
+    assert pool.state is PoolState.ACTIVE and pool.mapped_bytes == logical and pool.num_used_blocks == 0
+    wait_until(lambda: row(client)["mapped_bytes"] == logical, 5, "the daemon still counts the unmapped page")
+    kvd.check_invariants()
+    pool.close()
