@@ -12,7 +12,9 @@ logrotate either way:
 - ``SIGHUP`` makes the next record reopen the file by name (for a
   ``postrotate`` that sends it); the signal handler itself only sets a flag.
 
-``copytruncate`` works too, since the file is opened for appending.
+``copytruncate`` works too, since the file is opened for appending. Records the file
+cannot take (a FIFO put at its path, a full disk) are lost with one line on stderr when
+the losses start and one when a record lands again, not a traceback each.
 """
 
 from __future__ import annotations
@@ -131,6 +133,8 @@ class PrivateLogFile(logging.handlers.WatchedFileHandler):
     """
 
     reopen_requested = False
+    losing = False  # records are being lost: told once on stderr, and again when one lands
+    record_lost = False
 
     def _open(self) -> IO[str]:
         return os.fdopen(open_append(Path(self.baseFilename)), "a", encoding="utf-8")
@@ -143,7 +147,11 @@ class PrivateLogFile(logging.handlers.WatchedFileHandler):
                 self.stream = None  # a refused reopen leaves none: the next record opens again
             self.stream = self._open()
             self._statstream()
-        super().emit(record)
+        self.record_lost = False
+        super().emit(record)  # a failure calls ``handleError``
+        if self.losing and not self.record_lost:
+            self.losing = False
+            self._tell(f"log file {self.baseFilename} is written again")
 
     def handle(self, record: logging.LogRecord) -> bool:
         try:
@@ -151,6 +159,26 @@ class PrivateLogFile(logging.handlers.WatchedFileHandler):
         except ConfigError:  # raised by a reopen, outside logging's own error handling
             self.handleError(record)
             return True
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        """One line on stderr for the first record of a run the file loses, not logging's
+        traceback for every record (stderr of a detached daemon is its first log file, which
+        logrotate has renamed by then)."""
+        self.record_lost = True
+        if self.losing:
+            return
+        self.losing = True
+        error = sys.exc_info()[1]
+        why = error.message if isinstance(error, ConfigError) else f"log file {self.baseFilename}: {error}"
+        self._tell(f"{why}; records are lost until it can be written")
+
+    @staticmethod
+    def _tell(line: str) -> None:
+        try:
+            sys.stderr.write(f"kvdaemon: {line}\n")
+            sys.stderr.flush()
+        except (OSError, ValueError, AttributeError):  # stderr closed or gone: nowhere left to say it
+            pass
 
 
 def log_file_error(log_file: Path, err: OSError) -> ConfigError:

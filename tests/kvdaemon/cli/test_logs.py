@@ -215,3 +215,6 @@ def test_a_fifo_put_where_the_log_was_rotated_fails_only_its_records(cli: Cli) -
     with cli.client() as client:
         client.lease("after-unlink", small_spec(), num_virtual_pages=1).close()
     wait_until(lambda: log_file.exists() and "after-unlink" in log_file.read_text())
+    rotated = log_file.with_name("kvdaemon.log.1").read_text()  # the detached daemon's stderr
+    assert "Logging error" not in rotated and "Traceback" not in rotated, "a traceback per lost record"
+    assert rotated.count("records are lost") == 1 and rotated.count("is written again") == 1
