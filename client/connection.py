@@ -25,7 +25,6 @@ from typing import Any
 from kvdaemon.client.control import ControlChannel
 from kvdaemon.client.lease import Lease
 from kvdaemon.client.pool import KVPool, check_wait_s
-from kvdaemon.client.pool_state import PoolState
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolClosed
 from kvdaemon.wire.messages import checked_limit, describe_clamp
@@ -162,9 +161,10 @@ class KVClient:
         args: dict[str, Any] = {"name": name}
         if own is not None:  # its owner's word, as for sleep (the daemon's log says who woke it)
             args["token"] = own.lease.token
+        num_wakes = 0 if own is None else own.core.cell.num_wakes
         result = self.call("wake", args, timeout_s=timeout_s)
         if own is not None:
-            own.wait_state(lambda s: not (s.asleep or s is PoolState.SLEEP_PENDING), timeout_s)
+            own.wait_woken(num_wakes, timeout_s)
         return result
 
     def _own_pool(self, name: str) -> KVPool | None:

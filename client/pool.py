@@ -32,6 +32,7 @@ take no lock (only the block gate, see ``pool_lock``) and no daemon round trip.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
@@ -445,12 +446,12 @@ class KVPool:
         if not (core.state.asleep or core.state is PoolState.SLEEP_PENDING):
             self._check_open()
             return
+        num_wakes = core.cell.num_wakes
         core.lease.wake()
-        with core.lock:
-            if not core.cell.wait_for(lambda s: not (s.asleep or s is PoolState.SLEEP_PENDING), WAKE_WAIT_S):
-                raise NoReply(f"pool {self.name!r}: the daemon woke it, its pages are still on their way")
-            if core.state.ended:
-                raise PoolClosed(f"pool {self.name!r} is {core.state.value}")
+        if not self.wait_woken(num_wakes, WAKE_WAIT_S):
+            raise NoReply(f"pool {self.name!r}: the daemon woke it, its pages are still on their way")
+        if core.state.ended:
+            raise PoolClosed(f"pool {self.name!r} is {core.state.value}")
 
     def sleep(self, mode: str = "warm") -> dict[str, Any]:
         """Put this pool to sleep on its owner's word (no quiesce hook needed: the caller
@@ -471,9 +472,24 @@ class KVPool:
         self.core.active = True
 
     def wait_state(self, accept: Callable[[PoolState], bool], timeout_s: float) -> bool:
-        """Wait until the pool's state satisfies ``accept``; False on timeout."""
-        with self.core.lock:
-            return self.core.cell.wait_for(accept, timeout_s)
+        """Wait until the pool's state satisfies ``accept``; False on timeout (which counts the
+        wait for the pool's lock, held by its agent while it maps a wake)."""
+        return self._wait_locked(lambda left: self.core.cell.wait_for(accept, left), timeout_s)
+
+    def wait_woken(self, num_wakes: int, timeout_s: float) -> bool:
+        """Wait until the pool is awake or has woken more than ``num_wakes`` times in all
+        (``core.cell.num_wakes``, read before asking for the wake: a sleep may follow the wake
+        before this looks), or ended; False on timeout (the wait for the lock counted)."""
+        return self._wait_locked(lambda left: self.core.cell.wait_woken(num_wakes, left), timeout_s)
+
+    def _wait_locked(self, wait: Callable[[float], bool], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        if not self.core.lock.acquire(timeout=max(0.0, timeout_s)):
+            return False
+        try:
+            return wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            self.core.lock.release()
 
 
 def check_wait_s(wait_s: object, most_s: float = math.inf) -> float | None:

@@ -77,13 +77,15 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
             core.lease.sleep_ready(notice.sleep_id)
         except KVDaemonError as exc:
             core.segments.release_hold()
-            if _map_back(core, pages, f"back after sleep {notice.sleep_id} was not done"):
+            whole = _map_back(core, pages, f"back after sleep {notice.sleep_id} was not done")
+            if whole:
                 core.allocator = allocator
             else:
                 _lose_blocks(core)
             gone = isinstance(exc, DaemonUnreachable)
             core.cell.move(PoolState.DETACHED if gone else PoolState.ACTIVE)
-            log.warning("pool %s: sleep %d not done (%s); pages mapped back", core.name, notice.sleep_id, exc)
+            log.warning("pool %s: sleep %d not done (%s); %s", core.name, notice.sleep_id, exc,
+                        "pages mapped back" if whole else "the pages that could be are mapped back, its blocks lost")
             return
         for lp_pages in pages.values():
             core.segments.release(lp_pages)
@@ -112,11 +114,13 @@ def wake_pool(core: PoolCore, notice: WakeNotice) -> None:
         if not core.state.asleep:
             log.warning("pool %s: a wake notice while %s; ignored", core.name, core.state.value)
             return
+        losses_before = core.num_block_losses
         try:
             granted = core.lease.receive_pages(notice.grant_id, notice.logical_pages) if notice.logical_pages else {}
         except KVDaemonError as exc:
             if core.lease.lost.is_set():
-                raise
+                raise  # asleep still, holding its room under the map cap: the reconnect takes it on
+            core.segments.release_hold()  # nothing to map: the room goes back to the process
             log.error("pool %s: the %d page(s) of its wake could not be taken in (%s); they go back to the daemon",
                       core.name, len(notice.logical_pages), exc.message)
             core.give_back(list(notice.logical_pages))
@@ -135,9 +139,10 @@ def wake_pool(core: PoolCore, notice: WakeNotice) -> None:
             _lose_blocks(core)
         else:
             _fresh_allocator(core)
+        lost = core.num_block_losses != losses_before
         core.sleeping_allocator = None
         core.cell.move(PoolState.ACTIVE)
-    log.info("pool %s is awake (%s)", core.name, notice.mode)
+    log.info("pool %s is awake (%s)%s", core.name, notice.mode, ", its blocks lost" if lost else "")
 
 
 def _map_back(core: PoolCore, pages: dict[int, list[PhysicalPage]], why: str) -> bool:

@@ -65,11 +65,13 @@ class PoolStateCell:
         self.state = PoolState.ACTIVE
         self.ended = False  # ``state.ended``, as a plain attribute for the engine's fast path
         self.num_sleeps = 0  # times the pool fell asleep (warm or cold), woken since or not
+        self.num_wakes = 0  # times it woke (asleep to active), fallen asleep since or not
         self._changed = threading.Condition(lock)
 
     def move(self, new: PoolState) -> None:
         """Change to ``new``; the pool's lock must be held."""
         assert new in TRANSITIONS[self.state], f"pool state {self.state.value} -> {new.value}"
+        self.num_wakes += self.state.asleep and new is PoolState.ACTIVE
         self.state = new
         self.ended = new.ended
         self.num_sleeps += new.asleep
@@ -84,4 +86,12 @@ class PoolStateCell:
         times in all (woken since: an engine auto-wakes at once), or ended."""
         return self._changed.wait_for(
             lambda: self.state.asleep or self.num_sleeps > num_sleeps or self.ended, timeout_s
+        )
+
+    def wait_woken(self, num_wakes: int, timeout_s: float) -> bool:
+        """Wait (lock held) until the pool is awake, has woken more than ``num_wakes`` times in
+        all (asleep again since: a sleep may follow a wake at once), or ended."""
+        return self._changed.wait_for(
+            lambda: not (self.state.asleep or self.state is PoolState.SLEEP_PENDING)
+            or self.num_wakes > num_wakes or self.ended, timeout_s
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -341,13 +342,15 @@ def test_a_wake_whose_pages_cannot_be_taken_in_ends_active_with_none(
     real = pool.lease.receive_pages
 
     def out_of_step(grant_id: int, logical_pages: list[int], *rest: object) -> object:
-        real(grant_id, logical_pages, *rest)  # read off the channel, then refused (as a bad frame is)
+        for pages in real(grant_id, logical_pages, *rest).values():  # read off the channel, then
+            pool.core.segments.release(pages)  # refused, nothing kept (as a bad frame is)
         raise BadRequest(f"handle channel out of step for grant {grant_id}")
 
     monkeypatch.setattr(pool.lease, "receive_pages", out_of_step)
     client.wake("a")
     wait_awake(pool)
     assert pool.num_block_losses == 1 and pool.mapped_bytes == 0
+    assert pool.backend.num_held_mappings == 0, "the room kept for the wake's mappings was never given back"
     wait_until(lambda: row(client)["mapped_bytes"] == 0, 5, "the daemon still counts pages the pool never mapped")
     kvd.check_invariants()
     pool.close()
@@ -356,22 +359,62 @@ def test_a_wake_whose_pages_cannot_be_taken_in_ends_active_with_none(
 def test_a_sleep_not_done_whose_pages_cannot_all_be_mapped_back_keeps_both_sides_agreeing(
     kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client = kvd.client()
+    client, admin = kvd.client(), kvd.client()
     pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=0)
-    pool.quiesce_hook = lambda: None
+    quiescing, go = threading.Event(), threading.Event()
+    pool.quiesce_hook = lambda: (quiescing.set(), go.wait(10))
     fill(pool, pool.alloc(2 * BLOCKS_PER_PAGE))
+    refused: list[KVDaemonError] = []
 
-    def refused(sleep_id: int, refused: bool = False) -> dict:
-        failing_map(pool.backend, monkeypatch, after=SPEC.num_segments)  # the first page maps back, not the second
-        raise Conflict(f"sleep {sleep_id} was cancelled (a test)")
+    def sleep() -> None:
+        try:
+            admin.sleep("a", "warm")
+        except KVDaemonError as exc:
+            refused.append(exc)
 
-    monkeypatch.setattr(pool.lease, "sleep_ready", refused)
-    with pytest.raises(KVDaemonError):
-        client.sleep("a", "warm")
+    sleeper = threading.Thread(target=sleep)
+    sleeper.start()
+    assert quiescing.wait(5)
+    kvd.client().wake("a")  # the later word: the daemon cancels the sleep the engine is quiescing for
+    failing_map(pool.backend, monkeypatch, after=SPEC.num_segments)  # the first page maps back, not the second
+    go.set()
+    sleeper.join(10)
+    assert [exc.code for exc in refused] == ["CONFLICT"], "the sleep was not cancelled by the wake"
     wait_until(lambda: pool.num_block_losses == 1, 5, "the pool kept blocks whose pages are not mapped")
     monkeypatch.undo()
     logical = SPEC.num_segments * PAGE_BYTES
     assert pool.state is PoolState.ACTIVE and pool.mapped_bytes == logical and pool.num_used_blocks == 0
     wait_until(lambda: row(client)["mapped_bytes"] == logical, 5, "the daemon still counts the unmapped page")
+    assert pool.backend.num_held_mappings == 0
     kvd.check_invariants()
+    pool.close()
+
+
+def test_the_owners_wake_returns_once_woken_though_a_sleep_follows_at_once(kvd: RunningDaemon) -> None:
+    client, other = kvd.client(), kvd.client()
+    pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=0)
+    pool.quiesce_hook = lambda: None
+    pool.alloc(3 * BLOCKS_PER_PAGE)
+    client.sleep("a", "warm")
+    real, mapping = pool.backend.map_page, threading.Event()
+
+    def slow_map(*args: object) -> None:
+        mapping.set()
+        time.sleep(0.02)
+        real(*args)
+
+    pool.backend.map_page = slow_map
+    woken: list[object] = []
+    waker = threading.Thread(target=lambda: woken.append(client.wake("a", timeout_s=30)))
+    waker.start()
+    own = threading.Thread(target=lambda: woken.append(pool.wake()))  # the pool's own wake joins it
+    own.start()
+    assert mapping.wait(5)
+    other.sleep("a", "cold", timeout_s=10)  # lands while the pool maps its wake
+    waker.join(10)
+    own.join(10)
+    assert not waker.is_alive() and not own.is_alive(), "a wake waited for an awake state it had missed"
+    assert None in woken and len(woken) == 2  # pool.wake() returned, raised nothing
+    assert pool.wait_state(lambda state: state is PoolState.ASLEEP_COLD, 5)
+    del pool.backend.map_page
     pool.close()
