@@ -413,7 +413,12 @@ class PoolCore:
     def _return(self, lps: list[int]) -> None:
         for lp in lps:
             self.allocator.remove_page(lp)
-        self.segments.drop_pages(lps)
+        try:
+            self.segments.drop_pages(lps)
+        except BackendError:  # nothing was unmapped (``unmap_pages`` maps its runs back): spare again
+            for lp in lps:
+                self.allocator.add_page(lp)
+            raise
         self.give_back(lps)
 
     def give_back(self, lps: list[int]) -> None:

@@ -15,6 +15,7 @@ consecutive logical pages and segment (`unmap_pages`, `drop_pages`, `unmap_all`)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,8 @@ from kvdaemon.errors import BackendError
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("kvdaemon.client.pool")
 
 
 class SegmentMap:
@@ -113,21 +116,35 @@ class SegmentMap:
         """Unmap logical pages ``lps`` (each mapped: ``KeyError`` before anything is unmapped
         otherwise) from every segment; return their pages (handles kept), in page order.
 
+        On a backend error the runs this call unmapped are mapped back before it is
+        raised, so the table and the mappings still agree (a map back refused too is
+        logged).
+
         Cost: one backend unmap per run of consecutive logical pages and segment
         (a return or a sleep of 1 GiB in 64 KiB pages: 32 calls, not 16,384)."""
         pages = {lp: self.pages[lp] for lp in sorted(set(lps))}
-        lps_sorted = list(pages)
-        start = 0
-        for end in range(1, len(lps_sorted) + 1):
-            if end == len(lps_sorted) or lps_sorted[end] != lps_sorted[end - 1] + 1:
-                offset = lps_sorted[start] * self.page_bytes
-                size_bytes = (end - start) * self.page_bytes
-                for base in self.bases:
-                    self.backend.unmap(base + offset, size_bytes)
-                start = end
-        for lp in lps_sorted:
+        done: list[tuple[int, list[int]]] = []  # (segment, run of logical pages) unmapped so far
+        try:
+            for run in _runs(list(pages)):
+                for segment, base in enumerate(self.bases):
+                    self.backend.unmap(base + run[0] * self.page_bytes, len(run) * self.page_bytes)
+                    done.append((segment, run))
+        except BackendError:
+            self._map_back(done)
+            raise
+        for lp in pages:
             del self.pages[lp]
         return pages
+
+    def _map_back(self, done: list[tuple[int, list[int]]]) -> None:
+        """Map the runs of ``done`` back with the pages the table holds (a page refused is logged:
+        it stays unmapped in that segment, and touching it faults)."""
+        for segment, run in done:
+            for lp in run:
+                try:
+                    self.backend.map_page(self.bases[segment] + lp * self.page_bytes, self.pages[lp][segment])
+                except BackendError as exc:
+                    log.error("logical page %d of segment %d could not be mapped back (%s)", lp, segment, exc)
 
     def drop_pages(self, lps: Iterable[int]) -> None:
         """Unmap logical pages ``lps`` (as ``unmap_pages``) and release their handles."""
@@ -163,3 +180,14 @@ class SegmentMap:
             self.backend.map_page(base + offset, new)
             self.backend.release_page(old)
         self.pages[lp] = fresh
+
+
+def _runs(lps: list[int]) -> list[list[int]]:
+    """Sorted ``lps`` cut into runs of consecutive logical pages. O(n)."""
+    runs: list[list[int]] = []
+    for lp in lps:
+        if runs and runs[-1][-1] + 1 == lp:
+            runs[-1].append(lp)
+        else:
+            runs.append([lp])
+    return runs

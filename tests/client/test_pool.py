@@ -16,7 +16,7 @@ import torch
 
 from kvdaemon.client import KVClient, KVPool, KVSpec, Lease, PoolExhausted, pool_agent
 from kvdaemon.client.block_manager import BlockManager
-from kvdaemon.errors import BadRequest
+from kvdaemon.errors import BackendError, BadRequest
 from kvdaemon.wire.messages import LimitNotice, Notice
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
@@ -575,4 +575,28 @@ def test_a_registration_whose_min_the_daemon_clamped_says_so(
     assert [r.getMessage() for r in caplog.records if r.name == "kvdaemon.client"] == [
         "tenant a: min 32.0 MiB clamped to 16.0 MiB (promised by the operator to 'promised')"
     ]
+    pool.close()
+
+
+def test_a_return_the_backend_refuses_to_unmap_keeps_the_pages_spare_and_the_daemon_agreeing(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, pool = register(kvd, num_prefetch_pages=0, num_spare_pages=8)
+    blocks = pool.alloc(3 * BLOCKS_PER_PAGE)
+    pool.free(blocks[BLOCKS_PER_PAGE:])  # two spare pages, kept (num_spare_pages)
+    free_before = pool.num_free_blocks
+
+    def refused(addr: int, size_bytes: int) -> None:
+        raise BackendError("munmap failed: out of memory (a test)")
+
+    monkeypatch.setattr(pool.backend, "unmap", refused)
+    with pool.core.lock, pytest.raises(BackendError, match="a test"):
+        pool.core.return_all_spare()
+    monkeypatch.undo()
+    assert pool.mapped_bytes == 3 * LOGICAL_PAGE_BYTES and pool.num_free_blocks == free_before
+    assert tenant_row(client, "a")["mapped_bytes"] == 3 * LOGICAL_PAGE_BYTES
+    again = pool.alloc(2 * BLOCKS_PER_PAGE)  # from the spare pages, mapped all along
+    pool.key_cache(1)[again] = 1.0
+    assert tenant_row(client, "a")["mapped_bytes"] == 3 * LOGICAL_PAGE_BYTES
+    kvd.check_invariants()
     pool.close()

@@ -10,6 +10,7 @@ import torch
 
 from kvdaemon.client.segments import SegmentMap
 from kvdaemon.cuda_vmm import HostBackend
+from kvdaemon.errors import BackendError
 
 PAGE = 4096
 B = TypeVar("B", bound=HostBackend)
@@ -111,4 +112,37 @@ def test_unmap_pages_of_a_page_not_mapped_raises_before_unmapping_anything(count
         segments.unmap_pages([1, 4])
     assert counting.unmaps == [] and segments.pages == held
     segments.drop_pages([0, 1])
+    segments.free_ranges()
+
+
+def test_an_unmap_the_backend_refuses_half_way_maps_back_what_it_unmapped(
+    backend: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    segments = SegmentMap(backend, num_segments=2, num_virtual_pages=16, page_bytes=PAGE)
+    segments.reserve()
+    mapped = [0, 1, 4, 5, 9]  # three runs, two segments: six unmaps
+    for i, lp in enumerate(mapped):
+        segments.map(lp, [backend.create_page(2 * i), backend.create_page(2 * i + 1)])
+        for seg in range(2):
+            segments.view(seg, 16 * PAGE, torch.uint8)[lp * PAGE] = 10 * seg + lp
+    held, real, calls = dict(segments.pages), backend.unmap, [0]
+
+    def unmap(addr: int, size_bytes: int) -> None:
+        calls[0] += 1
+        if calls[0] == 4:  # the second run's second segment
+            raise BackendError("munmap failed: out of memory (a test)")
+        real(addr, size_bytes)
+
+    monkeypatch.setattr(backend, "unmap", unmap)
+    with pytest.raises(BackendError, match="a test"):
+        segments.unmap_all()
+    monkeypatch.undo()
+    assert segments.pages == held
+    slots = [base + lp * PAGE for base in segments.bases for lp in mapped]
+    assert all(slot in backend._book._mapped for slot in slots), "the table lists pages no longer mapped"
+    for seg in range(2):  # every page is mapped again, with its bytes: reading it does not fault
+        view = segments.view(seg, 16 * PAGE, torch.uint8)
+        assert [int(view[lp * PAGE]) for lp in mapped] == [10 * seg + lp for lp in mapped]
+    for pages in segments.unmap_all().values():
+        segments.release(pages)
     segments.free_ranges()
