@@ -330,7 +330,16 @@ class PoolCore:
         return max(0, self.max_bytes - self.mapped_bytes) // self.logical_page_bytes
 
     def map_grant(self, granted: Grant) -> None:
-        """Map granted pages into every segment; on a backend error give back what is not mapped."""
+        """Map granted pages into every segment (``SegmentMap.map_many``: runs at a time); on a
+        backend error map them a page at a time, as far as it goes, and give back the rest."""
+        try:
+            self.segments.map_many(granted)
+        except BackendError:
+            pass  # nothing mapped: page by page below finds where it stops
+        else:
+            for lp in granted:
+                self.allocator.add_page(lp)
+            return
         for i, (lp, pages) in enumerate(granted.items()):
             try:
                 self.segments.map(lp, pages)

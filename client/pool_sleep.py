@@ -152,6 +152,11 @@ def _map_back(core: PoolCore, pages: dict[int, list[PhysicalPage]], why: str) ->
     mappings), that page's and the rest's handles are released and the daemon
     is told they are gone (``give_back``, retried until it confirms): the pool
     and the daemon then count the same pages. O(pages)."""
+    try:
+        core.segments.map_many(pages)  # runs at a time
+        return True
+    except BackendError:
+        pass  # nothing mapped: a page at a time below, as far as it goes
     lps = list(pages)
     for i, lp in enumerate(lps):
         try:

@@ -9,8 +9,9 @@ hand-over all go through it.
 Invariants: ``pages[lp]`` holds one page per segment exactly while logical page
 lp is mapped in every segment; a failed map leaves nothing half-mapped.
 
-Cost: one backend map per segment per logical page; one backend unmap per run of
-consecutive logical pages and segment (`unmap_pages`, `drop_pages`, `unmap_all`).
+Cost: one backend map per run of consecutive logical pages and segment
+(`map_many`: a grant, a wake; `map`: one page per segment); one backend unmap per run
+of consecutive logical pages and segment (`unmap_pages`, `drop_pages`, `unmap_all`).
 """
 
 from __future__ import annotations
@@ -101,6 +102,24 @@ class SegmentMap:
             raise
         self.pages[lp] = pages
 
+    def map_many(self, pages: dict[int, list[PhysicalPage]]) -> None:
+        """Map every logical page of ``pages`` (one page per segment each), all or nothing: on
+        ``BackendError`` none of them stays mapped.
+
+        Cost: one ``Backend.map_pages`` per run of consecutive logical pages and segment
+        (on the host one ``mmap`` per run whose pages also follow each other in the file)."""
+        done: list[tuple[int, list[int]]] = []  # (segment, run of logical pages) mapped so far
+        try:
+            for run in _runs(sorted(pages)):
+                for segment, base in enumerate(self.bases):
+                    self.backend.map_pages(base + run[0] * self.page_bytes, [pages[lp][segment] for lp in run])
+                    done.append((segment, run))
+        except BackendError:
+            for segment, run in done:
+                self.backend.unmap(self.bases[segment] + run[0] * self.page_bytes, len(run) * self.page_bytes)
+            raise
+        self.pages.update(pages)
+
     def unmap(self, lp: int) -> list[PhysicalPage]:
         """Unmap logical page ``lp`` from every segment; return its pages (handles kept)."""
         offset = lp * self.page_bytes
@@ -154,11 +173,6 @@ class SegmentMap:
     def unmap_all(self) -> dict[int, list[PhysicalPage]]:
         """Unmap every logical page; return them all (handles kept) for a remap or a release."""
         return self.unmap_pages(self.pages)
-
-    def map_all(self, pages: dict[int, list[PhysicalPage]]) -> None:
-        """Map every logical page of ``pages`` (e.g. back after a refused sleep)."""
-        for lp, lp_pages in pages.items():
-            self.map(lp, lp_pages)
 
     def move(self, lp: int, fresh: list[PhysicalPage], staging: int) -> None:
         """Replace ``lp``'s pages by ``fresh`` ones holding the same bytes (a restart hand-over).

@@ -140,6 +140,12 @@ class Backend(Protocol):
         """Map ``page`` read-write at ``addr``, a free slot of a reserved range."""
         ...
 
+    def map_pages(self, addr: int, pages: list[PhysicalPage]) -> None:
+        """Map ``pages`` read-write at the consecutive slots from ``addr``, all or nothing (on
+        ``BackendError`` none of them stays mapped). The host backend maps each run of pages
+        that follow each other in one file with one ``mmap``; CUDA maps a page at a time."""
+        ...
+
     def unmap(self, addr: int, size_bytes: int) -> None:
         """Unmap every slot in ``[addr, addr + size_bytes)``; each must be mapped."""
         ...

@@ -336,6 +336,16 @@ class CudaBackend:
             self._book.unmark_mapped(addr)
             raise
 
+    def map_pages(self, addr: int, pages: list[PhysicalPage]) -> None:
+        """A ``map_page`` each; on a failure the pages mapped here are unmapped again."""
+        for i, page in enumerate(pages):
+            try:
+                self.map_page(addr + i * self.page_size_bytes, page)
+            except BackendError:
+                if i:
+                    self.unmap(addr, i * self.page_size_bytes)
+                raise
+
     def unmap(self, addr: int, size_bytes: int) -> None:
         drv = self._driver()
         slots = list(self._book.slots(addr, size_bytes))

@@ -86,8 +86,10 @@ class DevicePages:
         return self.num_free * self.page_size_bytes
 
     def alloc(self, owners: list[Owner], overwrite: bool = False) -> list[PhysicalPage]:
-        """One page per owner; all or nothing. ``overwrite``: the caller writes every byte
-        before anyone reads (idle pages first, as they are); else the pages read zero.
+        """One page per owner, in page id order (an owner list of one segment's logical pages in
+        order gets pages that follow each other wherever the free ones do: a client maps such a
+        run at once); all or nothing. ``overwrite``: the caller writes every byte before anyone
+        reads (idle pages first, as they are); else the pages read zero.
 
         Raises ``NoMemory`` when fewer than ``len(owners)`` pages are free, and
         re-raises ``BackendError`` after undoing any pages already created.
@@ -104,6 +106,9 @@ class DevicePages:
         except (BackendError, NoMemory):
             self.free([p.page_id for p in pages])
             raise
+        pages.sort(key=lambda page: page.page_id)  # owners in order get ids in order: runs map at once
+        for page, owner in zip(pages, owners):
+            self._owners[page.page_id] = owner
         return pages
 
     def _take(self, overwrite: bool) -> PhysicalPage:

@@ -73,11 +73,10 @@ class Grants:
         ``overwrite``: the caller writes every byte of the pages before they are
         sent (a warm wake), so they need not read zero.
         """
-        owners = [
-            Owner(tenant.tenant_id, seg, lp) for lp in wanted for seg in range(tenant.spec.num_segments)
-        ]
-        pages = self.pages.alloc(owners, overwrite)
-        nseg = tenant.spec.num_segments
+        nseg, num_wanted = tenant.spec.num_segments, len(wanted)
+        by_segment = self.pages.alloc(  # each segment's pages in logical page order: runs in the file
+            [Owner(tenant.tenant_id, seg, lp) for seg in range(nseg) for lp in wanted], overwrite)
+        pages = [by_segment[seg * num_wanted + i] for i in range(num_wanted) for seg in range(nseg)]
         for i, lp in enumerate(wanted):
             tenant.logical[lp] = pages[i * nseg : (i + 1) * nseg]
         tenant.touch(now)

@@ -600,3 +600,33 @@ def test_a_return_the_backend_refuses_to_unmap_keeps_the_pages_spare_and_the_dae
     assert tenant_row(client, "a")["mapped_bytes"] == 3 * LOGICAL_PAGE_BYTES
     kvd.check_invariants()
     pool.close()
+
+
+def test_a_grant_of_pages_that_follow_each_other_maps_one_run_per_segment(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, pool = register(kvd, num_prefetch_pages=0, num_spare_pages=8)
+    pool.alloc(1)  # logical page 0 first, on its own
+    backend, runs, syscalls = pool.backend, [], [0]
+    real_map_pages, real_mmap = backend.map_pages, backend._mmap
+
+    def map_pages(addr: int, pages: list) -> None:
+        runs.append([p.page_id for p in pages])
+        real_map_pages(addr, pages)
+
+    def mmap(*args: object) -> int:
+        syscalls[0] += 1
+        return real_mmap(*args)
+
+    monkeypatch.setattr(backend, "map_pages", map_pages)
+    monkeypatch.setattr(backend, "_mmap", mmap)
+    blocks = pool.alloc(3 * BLOCKS_PER_PAGE)  # three more logical pages in one grant
+    monkeypatch.undo()
+    assert len(runs) == SPEC.num_segments and syscalls[0] == SPEC.num_segments, "a map per page, not per run"
+    assert all(run == list(range(run[0], run[0] + 3)) for run in runs), "each segment's pages follow each other"
+    for layer in range(SPEC.num_layers):  # every page of the runs is mapped where its blocks are
+        pool.key_cache(layer)[blocks] = float(layer + 1)
+        assert float(pool.key_cache(layer)[blocks].float().mean()) == layer + 1
+    assert tenant_row(client, "a")["mapped_bytes"] == 4 * LOGICAL_PAGE_BYTES
+    kvd.check_invariants()
+    pool.close()

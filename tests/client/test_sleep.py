@@ -298,7 +298,8 @@ def test_a_warm_sleeper_keeps_its_room_under_the_map_cap_for_its_wake(kvd: Runni
 
 
 def failing_map(backend: object, monkeypatch: pytest.MonkeyPatch, after: int) -> None:
-    """Make ``backend.map_page`` refuse (as the OS does when out of memory) after ``after`` calls."""
+    """Make ``backend.map_page`` refuse (as the OS does when out of memory) after ``after`` calls,
+    and ``map_pages`` (runs at once) refuse from the first: the pool then maps page by page."""
     real, calls = backend.map_page, [0]
 
     def map_page(*args: object) -> None:
@@ -307,7 +308,11 @@ def failing_map(backend: object, monkeypatch: pytest.MonkeyPatch, after: int) ->
             raise BackendError("mmap failed: out of memory (a test)")
         real(*args)
 
+    def map_pages(*_args: object) -> None:
+        raise BackendError("mmap failed: out of memory (a test)")
+
     monkeypatch.setattr(backend, "map_page", map_page)
+    monkeypatch.setattr(backend, "map_pages", map_pages)
 
 
 def test_a_warm_wake_this_process_cannot_map_ends_active_with_both_sides_agreeing(
@@ -396,14 +401,14 @@ def test_the_owners_wake_returns_once_woken_though_a_sleep_follows_at_once(kvd: 
     pool.quiesce_hook = lambda: None
     pool.alloc(3 * BLOCKS_PER_PAGE)
     client.sleep("a", "warm")
-    real, mapping = pool.backend.map_page, threading.Event()
+    real, mapping = pool.backend.map_pages, threading.Event()
 
     def slow_map(*args: object) -> None:
         mapping.set()
-        time.sleep(0.02)
+        time.sleep(0.3)
         real(*args)
 
-    pool.backend.map_page = slow_map
+    pool.backend.map_pages = slow_map
     woken: list[object] = []
     waker = threading.Thread(target=lambda: woken.append(client.wake("a", timeout_s=30)))
     waker.start()
@@ -416,5 +421,5 @@ def test_the_owners_wake_returns_once_woken_though_a_sleep_follows_at_once(kvd: 
     assert not waker.is_alive() and not own.is_alive(), "a wake waited for an awake state it had missed"
     assert None in woken and len(woken) == 2  # pool.wake() returned, raised nothing
     assert pool.wait_state(lambda state: state is PoolState.ASLEEP_COLD, 5)
-    del pool.backend.map_page
+    del pool.backend.map_pages
     pool.close()

@@ -245,3 +245,39 @@ def test_bulk_copies_refuse_a_wrong_buffer_and_pages_made_elsewhere(host: HostBa
             host.copy_in_pages([imported], memoryview(bytearray(PAGE_BYTES)))
     finally:
         importer.close()
+
+
+def test_map_pages_maps_each_file_run_at_once_and_all_or_nothing(
+    host: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = host.reserve(8 * PAGE_BYTES)
+    pages = [host.create_page(i) for i in (0, 1, 2, 5, 6)]  # two runs in the file
+    book_before = host._book.num_mappings
+    real, calls = host._mmap, []
+
+    def mmap(*args: object) -> int:
+        calls.append(args[1])
+        if len(calls) == 2:  # the second run's mmap fails
+            return -1
+        return real(*args)
+
+    monkeypatch.setattr(host, "_mmap", mmap)
+    with pytest.raises(BackendError, match="mapping pages 5-6"):
+        host.map_pages(base, pages)
+    monkeypatch.undo()
+    assert calls[:2] == [3 * PAGE_BYTES, 2 * PAGE_BYTES]
+    assert host._book.num_mappings == book_before, "the first run stayed mapped"
+    with pytest.raises(BackendError, match="not mapped"):
+        host.unmap(base, PAGE_BYTES)
+    host.map_pages(base, pages)
+    for i, page in enumerate(pages):  # each slot shows its own page: the file runs landed where they should
+        host.tensor(base + i * PAGE_BYTES, PAGE_BYTES, torch.uint8)[0] = page.page_id
+    for i, page in enumerate(pages):
+        scratch = host.reserve(PAGE_BYTES)
+        host.map_page(scratch, page)  # the same page, seen through a mapping of its own
+        assert int(host.tensor(scratch, PAGE_BYTES, torch.uint8)[0]) == page.page_id
+        host.unmap(scratch, PAGE_BYTES)
+        host.free_range(scratch)
+    host.unmap(base, 5 * PAGE_BYTES)
+    host.free_range(base)
+    host.release_pages(pages)

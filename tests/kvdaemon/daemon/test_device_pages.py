@@ -78,7 +78,7 @@ def test_free_releases_each_run_of_consecutive_pages_at_once(
     assert asked == [4, 1]
     pages.check()
     again = [p.page_id for p in pages.alloc(owners(3, NUM))]
-    assert again == [2, 3, 1], "the last freed go out first"
+    assert again == [1, 2, 3], "the last freed (2, 3, 1) go out first, in page id order"
     asked = failing_release(backend, monkeypatch, {1})
     pages.free(again + [4])
     assert asked == [4, 1, 1, 1, 1], "the run 1-4 failed: then each of its pages"
