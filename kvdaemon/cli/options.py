@@ -88,7 +88,7 @@ class TenantNameParam(click.ParamType):
 class SecondsParam(click.FloatRange):
     """A duration in seconds of at least ``min``: a finite number (``nan`` and ``inf`` are not)."""
 
-    name = "seconds"
+    name = "number of seconds"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         seconds = super().convert(value, param, ctx)

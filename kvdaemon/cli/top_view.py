@@ -149,7 +149,7 @@ def tenant_table(
     table.add_column("state", no_wrap=True)
     for column in ("mapped", "in use", "limit"):
         table.add_column(column, justify="right", no_wrap=True)
-    table.add_column("of limit", no_wrap=True)
+    table.add_column("% of limit", no_wrap=True)
     table.add_column("idle", justify="right", no_wrap=True)
     table.add_column("owes", justify="right", no_wrap=True)
     table.add_column("refused", justify="right", no_wrap=True)

@@ -182,24 +182,49 @@ class Limiter:
         clamp = Clamp("min", wanted, applied, f"promised by the operator to {promised_names(promised)}")
         return Bounded(replace(bounded.limits, min_bytes=applied), (*bounded.clamped, clamp))
 
+    def policy_warnings(self) -> list[str]:
+        """What the operator's policies cannot give, said in the log at start: a max under one
+        page (that tenant maps nothing), mins for names not registered that add up past what
+        the registered tenants leave (those that register last are refused). O(policies)."""
+        registered = {t.name for t in self.tenants}
+        warnings = []
+        for name in self.policies.names():
+            if name not in registered:
+                bounded = bound(OwnLimits(None, 0, 1.0), self.policies.effective(name), self.capacity_bytes)
+                warnings.extend(f"policy of {name}: {w}" for w in self._tiny_max(name, bounded))
+        return warnings + self._over_promised()
+
+    def _tiny_max(self, name: str, bounded: Bounded) -> list[str]:
+        page_bytes, max_bytes = self.grants.pages.page_size_bytes, bounded.limits.max_bytes
+        if max_bytes is None or max_bytes >= page_bytes:
+            return []
+        return [f"max {format_bytes(max_bytes)} is under one page ({format_bytes(page_bytes)}): "
+                f"a tenant {name!r} could map nothing"]  # fmt: skip
+
+    def _over_promised(self) -> list[str]:
+        guaranteed = self.tenants.guaranteed_bytes()
+        promised = self.policies.promised(self.capacity_bytes, (t.name for t in self.tenants))
+        if guaranteed + sum(promised.values()) <= self.capacity_bytes:
+            return []
+        return [f"the operator's mins for names not registered add up to {format_bytes(sum(promised.values()))}, "
+                f"past the {format_bytes(self.capacity_bytes - guaranteed)} left beside registered tenants' "
+                "guarantees: those that register last are refused"]  # fmt: skip
+
     def _unfit(self, name: str, bounded: Bounded) -> list[str]:
-        """Why a min the operator just set for ``name`` (not registered) may not be honoured: it
-        does not fit beside the registered tenants' guarantees now (its registration would be
-        refused), or the operator's mins for names not registered pass what those leave (the
-        last to register are refused). Empty when neither."""
+        """Why a policy the operator just set for ``name`` (not registered) may not be honoured:
+        its max is under one page, its min does not fit beside the registered tenants'
+        guarantees now (its registration would be refused), or the operator's mins for names
+        not registered pass what those leave (the last to register are refused). Empty when
+        none."""
+        tiny = self._tiny_max(name, bounded)
         min_bytes, guaranteed = bounded.limits.min_bytes, self.tenants.guaranteed_bytes()
         if not min_bytes:
-            return []
+            return tiny
         if guaranteed + min_bytes > self.capacity_bytes:
-            return [f"min {format_bytes(min_bytes)} does not fit now: {format_bytes(guaranteed)} of "
+            return [*tiny, f"min {format_bytes(min_bytes)} does not fit now: {format_bytes(guaranteed)} of "
                     f"{format_bytes(self.capacity_bytes)} are guaranteed to registered tenants; a tenant {name!r} "
                     "is refused until they release or lower theirs"]  # fmt: skip
-        promised = self.policies.promised(self.capacity_bytes, (t.name for t in self.tenants))
-        if guaranteed + sum(promised.values()) > self.capacity_bytes:
-            return [f"the operator's mins for names not registered add up to {format_bytes(sum(promised.values()))}, "
-                    f"past the {format_bytes(self.capacity_bytes - guaranteed)} left beside registered tenants' "
-                    "guarantees: those that register last are refused"]  # fmt: skip
-        return []
+        return tiny + self._over_promised()
 
     def set_limit(self, args: Args, by_owner: Tenant | None) -> dict[str, Any]:
         """Serve ``set_limit`` (module docstring); ``by_owner``: the tenant whose token it carries."""

@@ -120,6 +120,8 @@ class Service:
             sources = ", ".join(f"{f} from {src}" for f, src in self.policies.sources(name).items())
             log.info("operator policy of %s: %s (%s)", name,
                      self.policies.effective(name).describe(), sources)  # fmt: skip
+        for warning in self.limiter.policy_warnings():
+            log.warning("%s", warning)
         self._ops: dict[str, Callable[[Args, Call], Any]] = {
             "hello": self.op_hello, "register": self.op_register, "grow": self.op_grow,
             "shrink": self.op_shrink, "heartbeat": self.op_heartbeat,

@@ -84,7 +84,7 @@ def test_frame_with_tenants_at_80_columns() -> None:
     assert lines[1] == (
         "capacity 4.00 GiB · free 1.00 GiB · mapped " + FILLED * 15 + EMPTY * 5 + "  75%"
     )
-    assert lines[2].split() == ["name", "state", "mapped", "in", "use", "limit", "of", "limit",
+    assert lines[2].split() == ["name", "state", "mapped", "in", "use", "limit", "%", "of", "limit",
                                 "idle", "owes", "refused"]  # fmt: skip
     assert len(lines) == 3 + 3 + 2  # one line per tenant: nothing wrapped; the legend of *
     assert lines[-2] == "* cannot be slept: its engine has no quiesce hook"

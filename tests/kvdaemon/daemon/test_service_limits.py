@@ -254,3 +254,22 @@ def test_a_policy_set_with_limit_is_kept_for_the_next_daemon(tmp_path: Path) -> 
         assert [p["name"] for p in second.ok("status")["policies"]] == ["a", "b"]
     finally:
         second.backend.close()
+
+
+def test_a_policy_max_under_one_page_says_its_tenant_could_map_nothing(h: Harness) -> None:
+    stored = h.ok("set_limit", name="tiny", max=str(PAGE_BYTES // 2))
+    assert stored["warnings"] == ["max 1.00 MiB is under one page (2.00 MiB): a tenant 'tiny' could map nothing"]
+    assert h.ok("set_limit", name="fits", max=str(PAGE_BYTES))["warnings"] == []
+
+
+def test_the_config_files_policies_that_cannot_be_given_are_logged_at_start(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvdaemon"):
+        config_harness(a={"min": "24MiB"}, b={"min": "16MiB"}, c={"max": "1KiB"}).backend.close()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "policy of c: max 1.00 KiB is under one page (2.00 MiB): a tenant 'c' could map nothing" in said
+    assert ("the operator's mins for names not registered add up to 40.0 MiB, past the 32.0 MiB left beside "
+            "registered tenants' guarantees: those that register last are refused") in said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvdaemon"):
+        config_harness(a={"min": "16MiB"}, b={"min": "16MiB"}).backend.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], "policies that fit said nothing"
