@@ -345,8 +345,7 @@ class PoolCore:
                 self.segments.map(lp, pages)
             except BackendError:
                 rest = list(granted)[i:]
-                for other in rest:
-                    self.segments.release(granted[other])
+                self.segments.release([page for other in rest for page in granted[other]])
                 with contextlib.suppress(KVDaemonError):
                     self.lease.shrink(rest)
                 raise

@@ -87,8 +87,7 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
             log.warning("pool %s: sleep %d not done (%s); %s", core.name, notice.sleep_id, exc,
                         "pages mapped back" if whole else "the pages that could be are mapped back, its blocks lost")
             return
-        for lp_pages in pages.values():
-            core.segments.release(lp_pages)
+        core.segments.release([page for lp_pages in pages.values() for page in lp_pages])
         if core.lease.abandon_outstanding_grows():  # granted before the sleep: released with the rest
             log.info("pool %s: grows outstanding at its sleep are dropped", core.name)
         core.asked_pages = 0  # every page went back
@@ -163,8 +162,7 @@ def _map_back(core: PoolCore, pages: dict[int, list[PhysicalPage]], why: str) ->
             core.segments.map(lp, pages[lp])
         except BackendError as exc:
             rest = lps[i:]
-            for other in rest:
-                core.segments.release(pages[other])
+            core.segments.release([page for other in rest for page in pages[other]])
             log.error("pool %s: %d of %d page(s) could not be mapped %s (%s); they go back to the daemon "
                       "and the pool's blocks are lost (num_block_losses)", core.name, len(rest), len(lps), why,
                       exc.message)

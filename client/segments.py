@@ -128,8 +128,11 @@ class SegmentMap:
         return self.pages.pop(lp)
 
     def release(self, pages: list[PhysicalPage]) -> None:
-        for page in pages:
-            self.backend.release_page(page)
+        """Release the handles of ``pages`` in one ``Backend.release_pages`` call; every one is
+        tried, and the first failure is raised after."""
+        failed = self.backend.release_pages(pages)
+        if failed:
+            raise failed[0][1]
 
     def unmap_pages(self, lps: Iterable[int]) -> dict[int, list[PhysicalPage]]:
         """Unmap logical pages ``lps`` (each mapped: ``KeyError`` before anything is unmapped
@@ -166,9 +169,8 @@ class SegmentMap:
                     log.error("logical page %d of segment %d could not be mapped back (%s)", lp, segment, exc)
 
     def drop_pages(self, lps: Iterable[int]) -> None:
-        """Unmap logical pages ``lps`` (as ``unmap_pages``) and release their handles."""
-        for pages in self.unmap_pages(lps).values():
-            self.release(pages)
+        """Unmap logical pages ``lps`` (as ``unmap_pages``) and release their handles (one call)."""
+        self.release([page for pages in self.unmap_pages(lps).values() for page in pages])
 
     def unmap_all(self) -> dict[int, list[PhysicalPage]]:
         """Unmap every logical page; return them all (handles kept) for a remap or a release."""

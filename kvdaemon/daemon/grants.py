@@ -205,8 +205,8 @@ class Grants:
         missing = [lp for lp in wanted if lp not in tenant.logical]
         if missing:
             raise BadRequest(f"logical pages {missing[:8]} are not mapped for {tenant.name!r}")
+        self.pages.free([p.page_id for lp in wanted for p in tenant.logical[lp]])  # one call: runs at once
         for lp in wanted:
-            self.pages.free([p.page_id for p in tenant.logical[lp]])
             del tenant.logical[lp]
         tenant.touch(now)
         tenant.note_shrunk(len(wanted))
