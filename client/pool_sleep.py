@@ -69,7 +69,13 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
             core.return_all_spare()  # empty pages are not worth a copy to host memory
         allocator = core.allocator
         made = core.segments.mappings_made()
-        pages = core.segments.unmap_all()
+        try:
+            pages = core.segments.unmap_all()
+        except BackendError as exc:  # nothing was unmapped (``unmap_pages`` maps its runs back)
+            log.warning("pool %s: sleep %d refused: its pages could not be unmapped (%s)",
+                        core.name, notice.sleep_id, exc.message)
+            core.lease.sleep_ready(notice.sleep_id, refused=True)
+            return
         core.segments.hold(made)  # room under the process's map cap to map them back (refused, or a warm wake)
         core.allocator = core.new_allocator()
         core.cell.move(PoolState.SLEEP_PENDING)

@@ -423,3 +423,26 @@ def test_the_owners_wake_returns_once_woken_though_a_sleep_follows_at_once(kvd: 
     assert pool.wait_state(lambda state: state is PoolState.ASLEEP_COLD, 5)
     del pool.backend.map_pages
     pool.close()
+
+
+def test_a_sleep_whose_pages_cannot_be_unmapped_is_refused_at_once_and_keeps_them(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=0)
+    pool.quiesce_hook = lambda: None
+    blocks = pool.alloc(2 * BLOCKS_PER_PAGE)
+    written = fill(pool, blocks)
+
+    def refused(addr: int, size_bytes: int) -> None:
+        raise BackendError("munmap failed: out of memory (a test)")
+
+    monkeypatch.setattr(pool.backend, "unmap", refused)
+    with pytest.raises(Conflict):  # refused by the pool, not left to the daemon's sleep timeout
+        client.sleep("a", "warm", timeout_s=5)
+    monkeypatch.undo()
+    assert pool.state is PoolState.ACTIVE and row(client)["state"] == "active"
+    for before, after in zip(written, read(pool, blocks)):
+        assert torch.equal(before, after)
+    kvd.check_invariants()
+    pool.close()
