@@ -153,8 +153,9 @@ def wake_pool(core: PoolCore, notice: WakeNotice) -> None:
 def _map_back(core: PoolCore, pages: dict[int, list[PhysicalPage]], why: str) -> bool:
     """Map ``pages`` at their logical pages; True when every one is mapped.
 
-    From the first page the backend refuses (the OS's memory, its cap on
-    mappings), that page's and the rest's handles are released and the daemon
+    Runs at a time (``SegmentMap.map_many``); after a refusal a page at a time,
+    and from the first page the backend refuses (the OS's memory, its cap on
+    mappings) that page's and the rest's handles are released and the daemon
     is told they are gone (``give_back``, retried until it confirms): the pool
     and the daemon then count the same pages. O(pages)."""
     try:
