@@ -115,20 +115,9 @@ def process_mappings(excluding: Collection[HostBackend] = ()) -> int:
     return sum(b._book.num_mappings + b.num_held_mappings for b in list(_STARTED) if b not in excluding)
 
 
-def _runs(pages: list[PhysicalPage]) -> list[list[PhysicalPage]]:
-    """``pages`` (sorted by id) cut into runs of consecutive page ids. O(n)."""
-    runs: list[list[PhysicalPage]] = []
-    for page in pages:
-        if runs and runs[-1][-1].page_id + 1 == page.page_id:
-            runs[-1].append(page)
-        else:
-            runs.append([page])
-    return runs
-
-
 def _file_runs(pages: list[PhysicalPage]) -> list[list[PhysicalPage]]:
-    """``pages`` (in slot order) cut into runs that follow each other in one file: the same
-    handle, each offset one page past the one before. O(n)."""
+    """``pages`` (in slot order, or sorted by id) cut into runs that follow each other in one
+    file: the same handle, each offset one page past the one before. O(n)."""
     runs: list[list[PhysicalPage]] = []
     for page in pages:
         last = runs[-1][-1] if runs else None
@@ -275,7 +264,7 @@ class HostBackend:
                 failed.append((page, BackendError(f"page {page.page_id} was not created here or is already released")))
             else:
                 own[page.page_id] = page
-        for run in _runs(sorted(own.values(), key=lambda page: page.page_id)):
+        for run in _file_runs(sorted(own.values(), key=lambda page: page.page_id)):  # one handle: runs of ids
             size_bytes = len(run) * self.page_size_bytes
             if libc.fallocate(self.pool_fd, _FALLOC_PUNCH_HOLE, run[0].offset_bytes, size_bytes) == 0:
                 self._forget(run)
