@@ -53,7 +53,7 @@ from kvdaemon.client.spec import KVSpec
 from kvdaemon.wire.handles import MAX_GROW_PAGES, max_grant_pages
 from kvdaemon.wire.messages import limit_revision
 from kvdaemon.errors import (
-    Asleep, BackendError, BadRequest, DaemonUnreachable, KVDaemonError, NoMemory, OverLimit,
+    Asleep, BackendError, BadRequest, DaemonUnreachable, NoMemory, OverLimit,
     PoolClosed, PoolExhausted,
 )
 
@@ -129,7 +129,8 @@ class PoolCore:
 
     @property
     def mapped_bytes(self) -> int:
-        return len(self.segments.pages) * self.logical_page_bytes
+        """Bytes of the logical pages the daemon counts as this pool's: mapped or ``stuck``."""
+        return (len(self.segments.pages) + len(self.segments.stuck)) * self.logical_page_bytes
 
     def new_allocator(self) -> BlockAllocator:
         return BlockAllocator(self.num_virtual_pages, self.page_bytes, self.spec.block_bytes)
@@ -181,7 +182,7 @@ class PoolCore:
             if (wait == 0 and not probe and mapped_ahead and needed >= self.refused_pages
                     and time.monotonic() - self.refused_at < REFUSED_S):  # fmt: skip
                 raise PoolExhausted(f"pool {self.name!r}: the daemon had no memory free just now")
-            skip = self.lease.in_flight | self.pending_return
+            skip = self.lease.in_flight | self.pending_return | self.segments.stuck.keys()
             num_wanted = min(needed + self.num_prefetch_pages, self.max_grant_pages)
             candidates = self.allocator.unmapped_pages(num_wanted, skip)
             mappable = self.segments.mappable_pages()
@@ -330,26 +331,42 @@ class PoolCore:
         return max(0, self.max_bytes - self.mapped_bytes) // self.logical_page_bytes
 
     def map_grant(self, granted: Grant) -> None:
-        """Map granted pages into every segment (``SegmentMap.map_many``: runs at a time); on a
-        backend error map them a page at a time, as far as it goes, and give back the rest."""
+        """Map granted pages as spare ones (``map_or_give_back``; lock held): on a backend
+        error those mapped stay spare, the rest go back, and the error is raised."""
         try:
-            self.segments.map_many(granted)
-        except BackendError:
-            pass  # nothing mapped: page by page below finds where it stops
-        else:
+            self.map_or_give_back(granted, "of a grant")
+        finally:
             for lp in granted:
-                self.allocator.add_page(lp)
+                if lp in self.segments.pages:
+                    self.allocator.add_page(lp)
+
+    def map_or_give_back(self, pages: Grant, why: str) -> None:
+        """Map ``pages`` at their logical pages (lock held): runs at a time
+        (``SegmentMap.map_many``), and after a refusal a page at a time, as far as it goes.
+
+        From the first page the backend refuses (the OS's memory, its cap on mappings),
+        that page's and the rest's handles are released and the daemon is told they are
+        gone (``give_back``, retried until it confirms), then the error is raised; pages a
+        failed map left ``stuck`` (some slot maps them still) are neither released nor
+        given back. Either way the pool and the daemon count the same pages. O(pages)."""
+        try:
+            self.segments.map_many(pages)  # runs at a time; all or nothing
             return
-        for i, (lp, pages) in enumerate(granted.items()):
+        except BackendError:
+            pass  # nothing mapped (or stuck): a page at a time below finds where it stops
+        lps = [lp for lp in pages if lp not in self.segments.stuck]
+        for i, lp in enumerate(lps):
             try:
-                self.segments.map(lp, pages)
-            except BackendError:
-                rest = list(granted)[i:]
-                self.segments.release([page for other in rest for page in granted[other]])
-                with contextlib.suppress(KVDaemonError):
-                    self.lease.shrink(rest)
+                self.segments.map(lp, pages[lp])
+            except BackendError as exc:
+                rest = [other for other in lps[i:] if other not in self.segments.stuck]
+                self.segments.release([page for other in rest for page in pages[other]])
+                log.error("pool %s: %d of %d page(s) could not be mapped %s (%s); they go back to the daemon",
+                          self.name, len(rest), len(pages), why, exc.message)
+                self.give_back(rest)
                 raise
-            self.allocator.add_page(lp)
+        if len(lps) < len(pages):
+            raise BackendError(f"{len(pages) - len(lps)} page(s) {why} could neither be mapped nor unmapped")
 
     def adopt_late_grants(self) -> None:
         """Map grants whose grow gave up waiting (they become spare pages), or give them back."""
@@ -449,9 +466,24 @@ class PoolCore:
                 log.info("pool %s: pages %s were already given back", self.name, lps[:8])
             self.pending_return.difference_update(lps)
 
+    def free_stuck(self) -> bool:
+        """Unmap what failed maps left ``stuck``, release those pages and give them back (lock
+        held); True when none is left stuck. O(stuck pages); nothing to do, the common case, O(1)."""
+        freed = self.segments.unmap_stuck() if self.segments.stuck else {}
+        if freed:
+            self.segments.release([page for pages in freed.values() for page in pages])
+            self.give_back(list(freed))
+        return not self.segments.stuck
+
     def drop_all_pages(self) -> None:
-        """Unmap every page here (without telling the daemon) and empty the allocator."""
+        """Unmap every page here (without telling the daemon) and empty the allocator. Pages left
+        ``stuck`` that still cannot be unmapped stay so (logged): their slots keep them."""
         self.segments.drop_pages(self.segments.pages)
+        freed = self.segments.unmap_stuck() if self.segments.stuck else {}
+        self.segments.release([page for pages in freed.values() for page in pages])
+        if self.segments.stuck:
+            log.error("pool %s: %d logical page(s) a failed map left mapped could not be unmapped",
+                      self.name, len(self.segments.stuck))
         self.segments.release_hold()  # a warm sleeper's: nothing of it is mapped back now
         self.allocator = self.new_allocator()
         self.sleeping_allocator = None

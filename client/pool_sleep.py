@@ -65,6 +65,11 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
         if core.state is not PoolState.ACTIVE:
             core.lease.sleep_ready(notice.sleep_id, refused=True)
             return
+        if not core.free_stuck():  # the daemon frees a sleeper's pages: none may stay mapped here
+            log.warning("pool %s: sleep %d refused: %d page(s) a failed map left mapped could not be unmapped",
+                        core.name, notice.sleep_id, len(core.segments.stuck))
+            core.lease.sleep_ready(notice.sleep_id, refused=True)
+            return
         if notice.mode == "warm":
             core.return_all_spare()  # empty pages are not worth a copy to host memory
         allocator = core.allocator
@@ -151,30 +156,12 @@ def wake_pool(core: PoolCore, notice: WakeNotice) -> None:
 
 
 def _map_back(core: PoolCore, pages: dict[int, list[PhysicalPage]], why: str) -> bool:
-    """Map ``pages`` at their logical pages; True when every one is mapped.
-
-    Runs at a time (``SegmentMap.map_many``); after a refusal a page at a time,
-    and from the first page the backend refuses (the OS's memory, its cap on
-    mappings) that page's and the rest's handles are released and the daemon
-    is told they are gone (``give_back``, retried until it confirms): the pool
-    and the daemon then count the same pages. O(pages)."""
+    """Map ``pages`` at their logical pages (``PoolCore.map_or_give_back``: what cannot be
+    mapped goes back to the daemon); True when every one is mapped."""
     try:
-        core.segments.map_many(pages)  # runs at a time
-        return True
+        core.map_or_give_back(pages, why)
     except BackendError:
-        pass  # nothing mapped: a page at a time below, as far as it goes
-    lps = list(pages)
-    for i, lp in enumerate(lps):
-        try:
-            core.segments.map(lp, pages[lp])
-        except BackendError as exc:
-            rest = lps[i:]
-            core.segments.release([page for other in rest for page in pages[other]])
-            log.error("pool %s: %d of %d page(s) could not be mapped %s (%s); they go back to the daemon "
-                      "and the pool's blocks are lost (num_block_losses)", core.name, len(rest), len(lps), why,
-                      exc.message)
-            core.give_back(rest)
-            return False
+        return False
     return True
 
 

@@ -7,7 +7,10 @@ one place that maps and unmaps: grow, page returns, sleep, wake and the restart
 hand-over all go through it.
 
 Invariants: ``pages[lp]`` holds one page per segment exactly while logical page
-lp is mapped in every segment; a failed map leaves nothing half-mapped.
+lp is mapped in every segment; a failed map leaves nothing half-mapped, but for
+the slots whose rollback the OS or driver refused too: their logical pages go
+to ``stuck`` (some slot may map them still), out of the table, never released
+nor given back while the ranges live, and unmapped again by ``unmap_stuck``.
 
 Cost: one backend map per run of consecutive logical pages and segment
 (`map_many`: a grant, a wake; `map`: one page per segment); one backend unmap per run
@@ -20,7 +23,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
+from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage, unmap_slots
 from kvdaemon.errors import BackendError
 
 if TYPE_CHECKING:
@@ -39,6 +42,7 @@ class SegmentMap:
         self.page_bytes = page_bytes
         self.bases: list[int] = []
         self.pages: dict[int, list[PhysicalPage]] = {}
+        self.stuck: dict[int, list[PhysicalPage]] = {}  # a failed map's pages it could not unmap (see above)
         self.num_held_mappings = 0  # of the process's cap, for pages to map back (``hold``)
 
     def reserve(self) -> None:
@@ -52,10 +56,16 @@ class SegmentMap:
             raise
 
     def free_ranges(self) -> None:
-        """Give the ranges back (and any hold); every page must be unmapped first."""
+        """Give the ranges back (and any hold); every page must be unmapped first. A range
+        whose ``stuck`` pages are mapped still cannot go: it is kept (logged), the others go."""
         self.release_hold()
         for base in self.bases:
-            self.backend.free_range(base)
+            try:
+                self.backend.free_range(base)
+            except BackendError as exc:
+                if not self.stuck:
+                    raise
+                log.error("a range at %#x keeps pages a failed map left mapped; it stays reserved (%s)", base, exc)
         self.bases.clear()
 
     def view(self, segment: int, size_bytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -89,7 +99,8 @@ class SegmentMap:
         self.num_held_mappings = 0
 
     def map(self, lp: int, pages: list[PhysicalPage]) -> None:
-        """Map one page per segment at logical page ``lp``; on error nothing stays mapped."""
+        """Map one page per segment at logical page ``lp``; on error nothing stays mapped (but
+        slots whose unmap is refused too: ``lp`` is then ``stuck``)."""
         offset = lp * self.page_bytes
         done = 0
         try:
@@ -98,7 +109,8 @@ class SegmentMap:
                 done += 1
         except BackendError:
             for base in self.bases[:done]:
-                self.backend.unmap(base + offset, self.page_bytes)
+                unmap_slots(self.backend, base + offset, 1)
+            self._keep_stuck({lp: pages})
             raise
         self.pages[lp] = pages
 
@@ -116,9 +128,31 @@ class SegmentMap:
                     done.append((segment, run))
         except BackendError:
             for segment, run in done:
-                self.backend.unmap(self.bases[segment] + run[0] * self.page_bytes, len(run) * self.page_bytes)
+                unmap_slots(self.backend, self.bases[segment] + run[0] * self.page_bytes, len(run))
+            self._keep_stuck(pages)
             raise
         self.pages.update(pages)
+
+    def _keep_stuck(self, pages: dict[int, list[PhysicalPage]]) -> None:
+        """After a failed map and its rollback: move to ``stuck`` the logical pages of ``pages``
+        that some slot still maps (the OS or driver refused their unmap). O(pages x segments)."""
+        for lp, lp_pages in pages.items():
+            offset = lp * self.page_bytes
+            if any(self.backend.is_mapped(base + offset) for base in self.bases):
+                self.stuck[lp] = lp_pages
+                log.error("logical page %d could not be unmapped after a failed map: it stays out of the pool "
+                          "and is not given back while the pool lives", lp)
+
+    def unmap_stuck(self) -> dict[int, list[PhysicalPage]]:
+        """Unmap the slots of ``stuck`` pages still mapped; return the logical pages now wholly
+        unmapped (handles kept: the caller releases them and gives them back). O(stuck x segments)."""
+        freed: dict[int, list[PhysicalPage]] = {}
+        for lp, pages in list(self.stuck.items()):
+            offset = lp * self.page_bytes
+            mapped = [base + offset for base in self.bases if self.backend.is_mapped(base + offset)]
+            if sum(unmap_slots(self.backend, addr, 1) for addr in mapped) == 0:
+                freed[lp] = self.stuck.pop(lp)
+        return freed
 
     def unmap(self, lp: int) -> list[PhysicalPage]:
         """Unmap logical page ``lp`` from every segment; return its pages (handles kept)."""

@@ -177,6 +177,10 @@ class AddressBook:
         """The handles of every mapped page. O(mapped slots)."""
         return {page.handle for page, _ in self._mapped.values()}
 
+    def is_mapped(self, addr: int) -> bool:
+        """True while a page is mapped at slot ``addr``. O(1)."""
+        return addr in self._mapped
+
     def page_at(self, addr: int) -> PhysicalPage:
         """The page mapped at slot ``addr``; raises if none is."""
         entry = self._mapped.get(addr)

@@ -141,13 +141,20 @@ class Backend(Protocol):
         ...
 
     def map_pages(self, addr: int, pages: list[PhysicalPage]) -> None:
-        """Map ``pages`` read-write at the consecutive slots from ``addr``, all or nothing (on
-        ``BackendError`` none of them stays mapped). The host backend maps each run of pages
-        that follow each other in one file with one ``mmap``; CUDA maps a page at a time."""
+        """Map ``pages`` read-write at the consecutive slots from ``addr``, all or nothing: on
+        ``BackendError`` the slots it mapped are unmapped again (``unmap_slots``), and only a
+        slot whose unmap the OS or driver refuses too stays mapped (``is_mapped`` says which).
+        The host backend maps each run of pages that follow each other in one file with one
+        ``mmap``; CUDA maps a page at a time."""
         ...
 
     def unmap(self, addr: int, size_bytes: int) -> None:
-        """Unmap every slot in ``[addr, addr + size_bytes)``; each must be mapped."""
+        """Unmap every slot in ``[addr, addr + size_bytes)``; each must be mapped. On
+        ``BackendError`` every one of them stays mapped."""
+        ...
+
+    def is_mapped(self, addr: int) -> bool:
+        """True while a page is mapped at slot ``addr`` (as this backend's book says). O(1)."""
         ...
 
     def tensor(self, addr: int, size_bytes: int, dtype: torch.dtype) -> torch.Tensor:
@@ -194,3 +201,26 @@ def check_bulk_buffer(num_pages: int, host: memoryview, page_size_bytes: int) ->
         raise BackendError(
             f"{num_pages} pages need a buffer of {num_pages * page_size_bytes} bytes, got {len(host)}"
         )
+
+
+def unmap_slots(backend: Backend, addr: int, num_slots: int) -> int:
+    """Unmap the ``num_slots`` mapped slots from ``addr``: one ``unmap`` call, and when the
+    backend refuses it one call a slot, past refusals. Returns how many slots stay mapped (0
+    when all went); the backend's book lists them. What rolls back a map that failed part-way.
+    Cost: one call, or ``num_slots`` calls after a refusal."""
+    if num_slots <= 0:
+        return 0
+    page_bytes = backend.page_size_bytes
+    try:
+        backend.unmap(addr, num_slots * page_bytes)
+        return 0
+    except BackendError:
+        if num_slots == 1:
+            return 1
+    num_left = 0
+    for i in range(num_slots):
+        try:
+            backend.unmap(addr + i * page_bytes, page_bytes)
+        except BackendError:
+            num_left += 1
+    return num_left

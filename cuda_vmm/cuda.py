@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdaemon.cuda_vmm.address_book import AddressBook
 from kvdaemon.cuda_vmm.backend import (
-    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer,
+    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer, unmap_slots,
 )
 from kvdaemon.cuda_vmm.device_view import address_view
 from kvdaemon.errors import BackendError
@@ -332,19 +332,23 @@ class CudaBackend:
                 drv.cuMemSetAccess(ptr, self.page_size_bytes, [self._access], 1), "cuMemSetAccess"
             )
         except BackendError:
-            drv.cuMemUnmap(ptr, self.page_size_bytes)
-            self._book.unmark_mapped(addr)
+            err = drv.cuMemUnmap(ptr, self.page_size_bytes)[0]
+            if err == drv.CUresult.CUDA_SUCCESS:  # else mapped still, as the book says (is_mapped)
+                self._book.unmark_mapped(addr)
             raise
 
     def map_pages(self, addr: int, pages: list[PhysicalPage]) -> None:
-        """A ``map_page`` each; on a failure the pages mapped here are unmapped again."""
+        """A ``map_page`` each; on a failure the pages mapped here are unmapped again
+        (``unmap_slots``: one whose unmap is refused too stays mapped)."""
         for i, page in enumerate(pages):
             try:
                 self.map_page(addr + i * self.page_size_bytes, page)
             except BackendError:
-                if i:
-                    self.unmap(addr, i * self.page_size_bytes)
+                unmap_slots(self, addr, i)
                 raise
+
+    def is_mapped(self, addr: int) -> bool:
+        return self._book.is_mapped(addr)
 
     def unmap(self, addr: int, size_bytes: int) -> None:
         drv = self._driver()

@@ -57,7 +57,7 @@ import psutil
 from kvdaemon.cuda_vmm import host_copy
 from kvdaemon.cuda_vmm.address_book import AddressBook
 from kvdaemon.cuda_vmm.backend import (
-    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer,
+    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer, unmap_slots,
 )
 from kvdaemon.errors import BackendError
 
@@ -392,9 +392,11 @@ class HostBackend:
                     raise error
                 done += len(run)
         except BackendError:
-            if done:
-                self.unmap(addr, done * page_bytes)
+            unmap_slots(self, addr, done)  # a slot whose unmap is refused too stays mapped (is_mapped)
             raise
+
+    def is_mapped(self, addr: int) -> bool:
+        return self._book.is_mapped(addr)
 
     def unmap(self, addr: int, size_bytes: int) -> None:
         book = self._book

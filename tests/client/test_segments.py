@@ -146,3 +146,67 @@ def test_an_unmap_the_backend_refuses_half_way_maps_back_what_it_unmapped(
     for pages in segments.unmap_all().values():
         segments.release(pages)
     segments.free_ranges()
+
+
+def test_a_map_whose_rollback_is_refused_leaves_the_page_stuck_until_it_can_be_unmapped(
+    backend: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    segments = SegmentMap(backend, num_segments=2, num_virtual_pages=16, page_bytes=PAGE)
+    segments.reserve()
+    pages = {lp: [backend.create_page(2 * lp), backend.create_page(2 * lp + 1)] for lp in (3, 4, 5)}
+    real_map_pages, real_unmap, calls = backend.map_pages, backend.unmap, [0]
+    stuck_slot = segments.bases[0] + 4 * PAGE
+
+    def map_pages(addr: int, run: list) -> None:
+        calls[0] += 1
+        if calls[0] == 2:  # segment 1's run, after segment 0's mapped
+            raise BackendError("mmap failed: out of memory (a test)")
+        real_map_pages(addr, run)
+
+    def unmap(addr: int, size_bytes: int) -> None:
+        if addr <= stuck_slot < addr + size_bytes:
+            raise BackendError("munmap failed: out of memory (a test)")
+        real_unmap(addr, size_bytes)
+
+    monkeypatch.setattr(backend, "map_pages", map_pages)
+    monkeypatch.setattr(backend, "unmap", unmap)
+    with pytest.raises(BackendError, match="mmap failed"):
+        segments.map_many(pages)
+    assert segments.pages == {} and segments.stuck == {4: pages[4]}
+    mapped = [backend.is_mapped(base + lp * PAGE) for base in segments.bases for lp in (3, 4, 5)]
+    assert mapped == [False, True, False, False, False, False]
+    assert segments.unmap_stuck() == {} and segments.stuck == {4: pages[4]}, "refused again: still stuck"
+    monkeypatch.undo()
+    assert segments.unmap_stuck() == {4: pages[4]} and segments.stuck == {}
+    assert not backend.is_mapped(stuck_slot)
+    segments.release([page for lp_pages in pages.values() for page in lp_pages])
+    segments.free_ranges()
+
+
+def test_a_single_page_map_whose_rollback_is_refused_leaves_it_stuck(
+    backend: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    segments = SegmentMap(backend, num_segments=3, num_virtual_pages=16, page_bytes=PAGE)
+    segments.reserve()
+    pages = [backend.create_page(i) for i in range(3)]
+    real_map_page, calls = backend.map_page, [0]
+
+    def map_page(addr: int, page: object) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise BackendError("mmap failed: out of memory (a test)")
+        real_map_page(addr, page)
+
+    def unmap(addr: int, size_bytes: int) -> None:
+        raise BackendError("munmap failed: out of memory (a test)")
+
+    monkeypatch.setattr(backend, "map_page", map_page)
+    monkeypatch.setattr(backend, "unmap", unmap)
+    with pytest.raises(BackendError, match="mmap failed"):
+        segments.map(7, pages)
+    monkeypatch.undo()
+    assert segments.pages == {} and segments.stuck == {7: pages}
+    assert [backend.is_mapped(base + 7 * PAGE) for base in segments.bases] == [True, True, False]
+    assert segments.unmap_stuck() == {7: pages}
+    segments.release(pages)
+    segments.free_ranges()

@@ -425,6 +425,51 @@ def backend_close_releases_every_handle() -> None:
     assert frees and all(c.result == 0 for c in frees)
 
 
+class Refusing:
+    """The driver module with some calls refused: ``plan`` maps a call's name to what its next
+    calls do, in order (True: answer CUDA_ERROR_OUT_OF_MEMORY; False: pass through); a call
+    past its plan passes through."""
+
+    def __init__(self, real: Any, plan: dict[str, list[bool]]) -> None:
+        self._real, self._plan = real, plan
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self._real, name)
+        if name not in self._plan:
+            return call
+
+        def planned(*args: Any) -> tuple[Any, ...]:
+            steps = self._plan[name]
+            if steps and steps.pop(0):
+                return (E.CUDA_ERROR_OUT_OF_MEMORY,)
+            return call(*args)
+
+        return planned
+
+
+@case
+def backend_a_map_whose_rollback_the_driver_refuses_keeps_the_slot_mapped() -> None:
+    backend = started()
+    addr = backend.reserve(3 * PAGE)
+    pages = [backend.create_page(i) for i in range(3)]
+    real = backend._drv
+    backend._drv = Refusing(real, {"cuMemSetAccess": [True], "cuMemUnmap": [True]})
+    with pytest.raises(BackendError, match="cuMemSetAccess"):
+        backend.map_page(addr, pages[0])
+    assert backend.is_mapped(addr), "the driver still maps it: the book must say so"
+    backend._drv = real
+    backend.unmap(addr, PAGE)
+    assert not backend.is_mapped(addr)
+    # map_pages: the second page's map refused, then the rollback's unmap of the first
+    backend._drv = Refusing(real, {"cuMemMap": [False, True], "cuMemUnmap": [True]})
+    with pytest.raises(BackendError, match="cuMemMap"):
+        backend.map_pages(addr + PAGE, pages[1:])
+    backend._drv = real
+    assert [backend.is_mapped(addr + i * PAGE) for i in range(3)] == [False, True, False]
+    backend.unmap(addr + PAGE, PAGE)
+    backend.close()
+
+
 def mark_log() -> None:
     """Start the running case's view of the driver log here."""
     global _log_mark

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvdaemon.cuda_vmm import HostBackend, open_backend
+from kvdaemon.cuda_vmm import host as host_module
 from kvdaemon.errors import BackendError
 
 from .conftest import PAGE_BYTES, make_host
@@ -97,3 +98,32 @@ def test_bad_page_size_and_unknown_backend() -> None:
         HostBackend(num_pages=1, page_size_bytes=1000)
     with pytest.raises(BackendError, match="unknown backend"):
         open_backend("tpu")
+
+
+def test_a_map_of_runs_refused_whose_rollback_is_refused_too_keeps_only_those_slots_mapped(
+    host: HostBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = host.reserve(4 * PAGE_BYTES)
+    pages = [host.create_page(i) for i in (0, 1, 5)]  # two runs in the file: 0-1, then 5
+    real_mmap, real_unmap, num_maps = host._mmap, host.unmap, [0]
+
+    def mmap(addr: int, size: int, prot: int, *rest: object) -> int:
+        if prot == host_module._PROT_RW:
+            num_maps[0] += 1
+            if num_maps[0] == 2:
+                return -1  # the second run's map: refused
+        return real_mmap(addr, size, prot, *rest)
+
+    def unmap(addr: int, size_bytes: int) -> None:
+        if size_bytes > PAGE_BYTES or addr == base + PAGE_BYTES:
+            raise BackendError("munmap failed: out of memory (a test)")
+        real_unmap(addr, size_bytes)
+
+    monkeypatch.setattr(host, "_mmap", mmap)
+    monkeypatch.setattr(host, "unmap", unmap)
+    with pytest.raises(BackendError, match="mapping pages 5-5"):  # the map's error, not the rollback's
+        host.map_pages(base, pages)
+    monkeypatch.undo()
+    assert [host.is_mapped(base + i * PAGE_BYTES) for i in range(4)] == [False, True, False, False]
+    host.unmap(base + PAGE_BYTES, PAGE_BYTES)  # the book listed it: it was mapped
+    host.free_range(base)
