@@ -141,15 +141,20 @@ def limit_result(
     (``logical_page_bytes``: a limit under it lets the tenant map nothing; ``null`` until
     it registers)."""
     limits = applied.get("limit") or {}
+    max_bytes = limits.get("max_bytes")
+    logical_page_bytes = None if row is None else int(row["num_segments"]) * page_bytes
+    warnings = list(applied.get("warnings", []))
+    if logical_page_bytes and max_bytes is not None and max_bytes < logical_page_bytes:
+        warnings.append(f"a limit under its logical page ({format_bytes(logical_page_bytes)}) lets it map "
+                        "nothing; what it maps it gives back")  # fmt: skip
     return {
         "name": name, "registered": bool(applied.get("registered")),
         "revision": applied.get("revision"),
-        "max_bytes": limits.get("max_bytes"), "min_bytes": limits.get("min_bytes"),
+        "max_bytes": max_bytes, "min_bytes": limits.get("min_bytes"),
         "weight": limits.get("weight"),
         "over_limit_bytes": None if row is None else status_view.owed_bytes(row),
         "policy": applied.get("policy"), "clamped": applied.get("clamped", []),
-        "warnings": applied.get("warnings", []),
-        "logical_page_bytes": None if row is None else int(row["num_segments"]) * page_bytes,
+        "warnings": warnings, "logical_page_bytes": logical_page_bytes,
     }  # fmt: skip
 
 
@@ -169,10 +174,6 @@ def limit_text(result: dict[str, Any]) -> str:
     lines = [head]
     lines.extend(f"{name}: {describe_clamp(clamp)}" for clamp in result["clamped"])
     lines.extend(f"{name}: {warning}" for warning in result["warnings"])
-    page = result.get("logical_page_bytes")
-    if page and result["max_bytes"] is not None and result["max_bytes"] < page:
-        lines.append(f"{name}: a limit under its logical page ({format_bytes(page)}) lets it map "
-                     "nothing; what it maps it gives back")  # fmt: skip
     if result["over_limit_bytes"]:
         lines.append(f"{name}: owes {format_bytes(result['over_limit_bytes'])} over its limit; "
                      "asked to give it back")  # fmt: skip

@@ -82,7 +82,11 @@ def test_policies_before_registration_across_a_restart_and_against_the_config(
             "qwen-b: limit 3.00 MiB, min 0 B, weight 1 (revision 1; policy max 3.00 MiB)",
             "qwen-b: a limit under its logical page (4.00 MiB) lets it map nothing; what it maps it gives back",
         ]
-        assert json_of(cli.run("limit", "qwen-b", "--max", "4MiB", "--json"))["logical_page_bytes"] == 4 * MiB
+        under = json_of(cli.run("limit", "qwen-b", "--max", "3MiB", "--json"))  # JSON warns as the text does
+        assert under["warnings"] == [
+            "a limit under its logical page (4.00 MiB) lets it map nothing; what it maps it gives back"]
+        at_page = json_of(cli.run("limit", "qwen-b", "--max", "4MiB", "--json"))
+        assert at_page["logical_page_bytes"] == 4 * MiB and at_page["warnings"] == []
     finally:
         llama.close()
         qwen.close()
