@@ -145,7 +145,7 @@ class Backend(Protocol):
         ``BackendError`` the slots it mapped are unmapped again (``unmap_slots``), and only a
         slot whose unmap the OS or driver refuses too stays mapped (``is_mapped`` says which).
         The host backend maps each run of pages that follow each other in one file with one
-        ``mmap``; CUDA maps a page at a time."""
+        ``mmap``; CUDA maps a page at a time and sets the access of the whole run at once."""
         ...
 
     def unmap(self, addr: int, size_bytes: int) -> None:

@@ -338,14 +338,28 @@ class CudaBackend:
             raise
 
     def map_pages(self, addr: int, pages: list[PhysicalPage]) -> None:
-        """A ``map_page`` each; on a failure the pages mapped here are unmapped again
-        (``unmap_slots``: one whose unmap is refused too stays mapped)."""
-        for i, page in enumerate(pages):
-            try:
-                self.map_page(addr + i * self.page_size_bytes, page)
-            except BackendError:
-                unmap_slots(self, addr, i)
-                raise
+        """A ``cuMemMap`` a page, then one ``cuMemSetAccess`` over the whole run (the driver
+        takes a range of whole mappings); all or nothing: on a failure what this call mapped is
+        unmapped again (``unmap_slots``: one whose unmap is refused too stays mapped)."""
+        drv = self._driver()
+        page_bytes, book = self.page_size_bytes, self._book
+        num_mapped = 0
+        try:
+            for i, page in enumerate(pages):
+                slot = addr + i * page_bytes
+                book.mark_mapped(slot, page)
+                try:
+                    self._check(drv.cuMemMap(drv.CUdeviceptr(slot), page_bytes, 0, page.handle, 0), "cuMemMap")
+                except BackendError:
+                    book.unmark_mapped(slot)
+                    raise
+                num_mapped += 1
+            if num_mapped:
+                access = drv.cuMemSetAccess(drv.CUdeviceptr(addr), num_mapped * page_bytes, [self._access], 1)
+                self._check(access, "cuMemSetAccess")
+        except BackendError:
+            unmap_slots(self, addr, num_mapped)
+            raise
 
     def is_mapped(self, addr: int) -> bool:
         return self._book.is_mapped(addr)

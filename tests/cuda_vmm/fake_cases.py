@@ -448,6 +448,27 @@ class Refusing:
 
 
 @case
+def backend_map_pages_sets_the_access_of_a_run_at_once() -> None:
+    backend = started()
+    addr = backend.reserve(5 * PAGE)
+    pages = [backend.create_page(i) for i in (3, 0, 4, 1)]  # any pages: each is its own handle
+    mark_log()
+    backend.map_pages(addr + PAGE, pages)
+    calls = [c.name for c in driver_log() if c.name in ("cuMemMap", "cuMemSetAccess")]
+    assert calls == ["cuMemMap"] * 4 + ["cuMemSetAccess"], calls
+    view = backend.tensor(addr + PAGE, 4 * PAGE, torch.uint8)
+    view.fill_(7)  # every page writable: touching one without access would fault
+    assert int(view.sum()) == 7 * 4 * PAGE and not backend.is_mapped(addr)
+    backend._drv, real = Refusing(backend._drv, {"cuMemSetAccess": [True]}), backend._drv
+    with pytest.raises(BackendError, match="cuMemSetAccess"):
+        backend.map_pages(addr, [backend.create_page(2)])
+    backend._drv = real
+    assert not backend.is_mapped(addr), "a run whose access was refused is unmapped again"
+    del view
+    backend.close()
+
+
+@case
 def backend_a_map_whose_rollback_the_driver_refuses_keeps_the_slot_mapped() -> None:
     backend = started()
     addr = backend.reserve(3 * PAGE)
