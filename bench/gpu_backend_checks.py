@@ -301,9 +301,9 @@ def check_map_latency() -> Figures:
 
     Guarantees on PASS: ``LATENCY_PAGES`` pages map one by one, are readable and
     writable through one view over the whole range, and unmap one by one and
-    all at once. Figures are per call, in microseconds (median and p99):
+    all at once; mapped again as one run (``map_pages``), they hold what is written. Figures are per call, in microseconds (median and p99):
     ``create`` (cuMemCreate), ``map`` (backend: cuMemMap + cuMemSetAccess +
-    bookkeeping), ``unmap`` (backend: cuCtxSynchronize + cuMemUnmap),
+    bookkeeping), ``map_run_us_per_page`` (``map_pages`` of them all, per page), ``unmap`` (backend: cuCtxSynchronize + cuMemUnmap),
     ``raw_map``/``raw_set_access``/``raw_unmap`` (the bare driver calls on
     another range), and ``torch_empty`` of one page (the caching allocator, from
     an emptied cache; an engine's usual allocation, not a driver floor).
@@ -344,11 +344,21 @@ def check_map_latency() -> Figures:
         t0 = time.perf_counter_ns()
         backend.unmap(addr, LATENCY_PAGES * PAGE)
         range_unmap_ns = time.perf_counter_ns() - t0
+        t0 = time.perf_counter_ns()
+        backend.map_pages(addr, pages)  # a grant's run: a cuMemMap a page, one cuMemSetAccess
+        run_map_ns = time.perf_counter_ns() - t0
+        view = backend.tensor(addr, LATENCY_PAGES * PAGE, torch.int32)
+        view.fill_(9)
+        torch.cuda.synchronize()
+        require(bool((view == 9).all()), "a page mapped in a run did not keep what was written")
+        del view
+        backend.unmap(addr, LATENCY_PAGES * PAGE)
 
         figures |= spread("create", create_ns)
         figures |= spread("map", map_ns)
         figures |= spread("unmap", unmap_ns)
         figures["unmap_whole_range_us_per_page"] = round(range_unmap_ns / 1e3 / LATENCY_PAGES, 2)
+        figures["map_run_us_per_page"] = round(run_map_ns / 1e3 / LATENCY_PAGES, 2)
         figures |= raw_driver_costs(pages, backend.device)
     figures |= spread("torch_empty", torch_empty_costs())
     figures["map_over_raw_map_set_access"] = round(
