@@ -41,7 +41,7 @@ from kvdaemon.cuda_vmm.backend import Backend, PhysicalPage
 from kvdaemon.errors import BadRequest, DaemonUnreachable, Forbidden, KVDaemonError, NoReply, from_code
 from kvdaemon.wire.handles import close_fds, peer_credentials, recv_frame, send_frame
 from kvdaemon.wire.messages import (
-    Notice, WakeJoin, WakeNotice, checked_limit, limit_revision, parse_grant_pages, parse_notice,
+    MAX_WHY_CHARS, Notice, WakeJoin, WakeNotice, checked_limit, limit_revision, parse_grant_pages, parse_notice,
 )
 from kvdaemon.wire.paths import DaemonPaths
 from kvdaemon.wire.protocol import result_of
@@ -387,10 +387,13 @@ class Lease:
         """Ask the daemon to wake this tenant (the pool maps the grant when told)."""
         return self.control.call("wake", {"name": self.name, "token": self.token})
 
-    def sleep_ready(self, sleep_id: int, refused: bool = False) -> dict[str, Any]:
-        """Our answer to sleep ``sleep_id`` (pages unmapped, or ``refused``); waits for the
-        daemon's decision while it lives: ``Conflict`` when it cancelled the sleep."""
+    def sleep_ready(self, sleep_id: int, refused: bool = False, why: str | None = None) -> dict[str, Any]:
+        """Our answer to sleep ``sleep_id`` (pages unmapped, or ``refused``, ``why`` when it is
+        not for want of a quiesce hook); waits for the daemon's decision while it lives:
+        ``Conflict`` when it cancelled the sleep."""
         args = self._args(sleep_id=sleep_id, refused=refused)
+        if why is not None:
+            args["why"] = why[:MAX_WHY_CHARS]
         return self.control.call_until_answered("sleep_ready", args)
 
     # -- ending ----------------------------------------------------------------

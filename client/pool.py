@@ -31,6 +31,7 @@ take no lock (only the block gate, see ``pool_lock``) and no daemon round trip.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -48,6 +49,7 @@ from kvdaemon.errors import BackendError, BadRequest, NoReply, PoolClosed
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("kvdaemon.client.pool")
 WAKE_WAIT_S = 60.0  # ``wake()`` waits this long for its pages before saying it is still on its way
 
 
@@ -98,7 +100,9 @@ class KVPool:
         self.agent.start()
 
     def close(self) -> None:
-        """Give every page back, unregister, and free the ranges. Idempotent.
+        """Give every page back, unregister, and free the ranges. Idempotent. A pool with
+        pages a failed map left mapped (``SegmentMap.stuck``) closes its lease without
+        unregistering: the daemon holds its pages until this process maps none.
 
         The tensors must not be used afterwards; every other method raises ``PoolClosed``.
         """
@@ -110,7 +114,12 @@ class KVPool:
             with core.lock:
                 core.cell.move(PoolState.CLOSED)
                 core.drop_all_pages()
-                core.lease.close()
+                if core.segments.stuck:  # unregistering frees every page at once: not one this process maps
+                    log.error("pool %s closes without unregistering: its daemon keeps its pages (quarantined) "
+                              "until this process maps none", core.name)
+                    core.lease.abandon()
+                else:
+                    core.lease.close()
         finally:
             with core.lock:
                 self._caches.clear()

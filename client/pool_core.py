@@ -88,6 +88,7 @@ class PoolCore:
         self.allocator = self.new_allocator()
         self.sleeping_allocator: BlockAllocator | None = None  # a warm sleeper's blocks
         self.max_bytes: int | None = lease.limit.get("max_bytes")
+        self.old_stuck: set[int] = set()  # stuck logical pages of a daemon gone (the daemon now never granted them)
         self.max_pages = self._pages_within(self.max_bytes)  # logical pages the known limit holds (``free``)
         self.limit_revision = limit_revision(lease.limit)  # of ``max_bytes``: an older report is ignored
         self.limit_lock = threading.Lock()  # a leaf, over the three fields above (``set_limit``)
@@ -130,7 +131,16 @@ class PoolCore:
     @property
     def mapped_bytes(self) -> int:
         """Bytes of the logical pages the daemon counts as this pool's: mapped or ``stuck``."""
-        return (len(self.segments.pages) + len(self.segments.stuck)) * self.logical_page_bytes
+        return (len(self.segments.pages) + self.num_stuck_counted()) * self.logical_page_bytes
+
+    def num_stuck_counted(self) -> int:
+        """Stuck logical pages (``SegmentMap.stuck``) the daemon counts as this pool's. O(1)."""
+        return len(self.segments.stuck) - len(self.old_stuck)
+
+    def stuck_changed(self) -> None:
+        """Count the stuck pages against the limit: ``max_pages`` is what may be mapped. O(1)."""
+        with self.limit_lock:
+            self.max_pages = self._pages_within(self.max_bytes) - self.num_stuck_counted()
 
     def new_allocator(self) -> BlockAllocator:
         return BlockAllocator(self.num_virtual_pages, self.page_bytes, self.spec.block_bytes)
@@ -176,6 +186,11 @@ class PoolCore:
         probe = probe or ahead
         mapped_ahead = self.reserve_blocks or self.ahead_blocks
         while num_blocks > self.allocator.num_free:
+            if self.segments.stuck and not self.free_stuck():
+                raise PoolExhausted(
+                    f"pool {self.name!r}: {len(self.segments.stuck)} logical page(s) a failed map left mapped "
+                    "cannot be unmapped; it maps no more pages until they are"
+                )
             self.check_can_grow()
             needed = -(-(num_blocks - self.allocator.num_free) // self.allocator.blocks_per_page)
             needed = min(needed, self.max_grant_pages)  # one frame's worth a round trip; the loop asks again
@@ -222,7 +237,7 @@ class PoolCore:
             try:
                 self.map_grant(granted)
             except BackendError as exc:  # the map cap, met by pages that scattered: what the pool could not map
-                if self.segments.mappable_pages() >= needed:
+                if self.segments.mappable_pages() >= needed and not self.segments.stuck:
                     raise
                 raise PoolExhausted(f"pool {self.name!r}: {exc.message}") from exc
             if ahead:
@@ -342,31 +357,40 @@ class PoolCore:
 
     def map_or_give_back(self, pages: Grant, why: str) -> None:
         """Map ``pages`` at their logical pages (lock held): runs at a time
-        (``SegmentMap.map_many``), and after a refusal a page at a time, as far as it goes.
+        (``SegmentMap.map_many``), and after a refusal a page at a time in page order (logical
+        page 0 first: mapped whenever another is), as far as it goes.
 
         From the first page the backend refuses (the OS's memory, its cap on mappings),
         that page's and the rest's handles are released and the daemon is told they are
-        gone (``give_back``, retried until it confirms), then the error is raised; pages a
-        failed map left ``stuck`` (some slot maps them still) are neither released nor
-        given back. Either way the pool and the daemon count the same pages. O(pages)."""
+        gone (``give_back``, retried until it confirms), then the error is raised. When a
+        refused map's rollback was refused too, the pages some slot still maps are ``stuck``
+        (neither released nor given back) and none of the others is mapped: a pool maps
+        nothing more while any is stuck (``grow_for``). Either way the pool and the daemon
+        count the same pages. O(pages)."""
         try:
             self.segments.map_many(pages)  # runs at a time; all or nothing
             return
-        except BackendError:
-            pass  # nothing mapped (or stuck): a page at a time below finds where it stops
-        lps = [lp for lp in pages if lp not in self.segments.stuck]
+        except BackendError as exc:
+            if self.segments.stuck:
+                self._give_back_unmapped(pages, list(pages), why, exc)
+                raise
+        lps = sorted(pages)
         for i, lp in enumerate(lps):
             try:
                 self.segments.map(lp, pages[lp])
             except BackendError as exc:
-                rest = [other for other in lps[i:] if other not in self.segments.stuck]
-                self.segments.release([page for other in rest for page in pages[other]])
-                log.error("pool %s: %d of %d page(s) could not be mapped %s (%s); they go back to the daemon",
-                          self.name, len(rest), len(pages), why, exc.message)
-                self.give_back(rest)
+                self._give_back_unmapped(pages, lps[i:], why, exc)
                 raise
-        if len(lps) < len(pages):
-            raise BackendError(f"{len(pages) - len(lps)} page(s) {why} could neither be mapped nor unmapped")
+
+    def _give_back_unmapped(self, pages: Grant, lps: list[int], why: str, exc: BackendError) -> None:
+        """Release and give back ``lps`` of ``pages`` (unmapped) but the stuck ones. O(lps)."""
+        rest = [lp for lp in lps if lp not in self.segments.stuck]
+        self.segments.release([page for lp in rest for page in pages[lp]])
+        log.error("pool %s: %d of %d page(s) could not be mapped %s (%s); they go back to the daemon%s",
+                  self.name, len(rest), len(pages), why, exc.message,
+                  f", {len(lps) - len(rest)} stay mapped (stuck)" if len(rest) < len(lps) else "")
+        self.stuck_changed()
+        self.give_back(rest)
 
     def adopt_late_grants(self) -> None:
         """Map grants whose grow gave up waiting (they become spare pages), or give them back."""
@@ -471,8 +495,14 @@ class PoolCore:
         held); True when none is left stuck. O(stuck pages); nothing to do, the common case, O(1)."""
         freed = self.segments.unmap_stuck() if self.segments.stuck else {}
         if freed:
-            self.segments.release([page for pages in freed.values() for page in pages])
-            self.give_back(list(freed))
+            try:
+                self.segments.release([page for pages in freed.values() for page in pages])
+            except BackendError as exc:  # a handle kept here maps nowhere: the daemon may have them all back
+                log.error("pool %s: releasing pages a failed map had left mapped: %s", self.name, exc.message)
+            ours = [lp for lp in freed if lp not in self.old_stuck]
+            self.old_stuck.difference_update(freed)
+            self.stuck_changed()
+            self.give_back(ours)
         return not self.segments.stuck
 
     def drop_all_pages(self) -> None:
@@ -481,6 +511,8 @@ class PoolCore:
         self.segments.drop_pages(self.segments.pages)
         freed = self.segments.unmap_stuck() if self.segments.stuck else {}
         self.segments.release([page for pages in freed.values() for page in pages])
+        self.old_stuck.difference_update(freed)
+        self.stuck_changed()
         if self.segments.stuck:
             log.error("pool %s: %d logical page(s) a failed map left mapped could not be unmapped",
                       self.name, len(self.segments.stuck))
@@ -501,6 +533,7 @@ class PoolCore:
                 return False
             max_bytes = limit.get("max_bytes")
             if isinstance(max_bytes, int):
-                self.max_bytes, self.max_pages = max_bytes, self._pages_within(max_bytes)
+                self.max_bytes = max_bytes
+                self.max_pages = self._pages_within(max_bytes) - self.num_stuck_counted()
             self.limit_revision = revision
             return True

@@ -207,6 +207,7 @@ def _switch(core: PoolCore, lease: Lease) -> None:
     old, core.lease = core.lease, lease
     old.abandon()
     core.pending_return.clear()  # the new daemon never granted those
+    core.old_stuck = set(core.segments.stuck)  # ... nor these: never given back to it, nor counted
     core.asked_pages = 0  # ... nor asked for any
     core.relink_error, core.num_refused_moves = None, 0
     core.set_limit(lease.limit, fresh=True)

@@ -63,12 +63,13 @@ def sleep_pool(core: PoolCore, notice: SleepNotice) -> None:
 def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
     with core.lock:
         if core.state is not PoolState.ACTIVE:
-            core.lease.sleep_ready(notice.sleep_id, refused=True)
+            core.lease.sleep_ready(notice.sleep_id, refused=True, why=f"the pool is {core.state.value}")
             return
         if not core.free_stuck():  # the daemon frees a sleeper's pages: none may stay mapped here
             log.warning("pool %s: sleep %d refused: %d page(s) a failed map left mapped could not be unmapped",
                         core.name, notice.sleep_id, len(core.segments.stuck))
-            core.lease.sleep_ready(notice.sleep_id, refused=True)
+            core.lease.sleep_ready(notice.sleep_id, refused=True,
+                                   why=f"{len(core.segments.stuck)} page(s) a failed map left mapped")
             return
         if notice.mode == "warm":
             core.return_all_spare()  # empty pages are not worth a copy to host memory
@@ -79,7 +80,8 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
         except BackendError as exc:  # nothing was unmapped (``unmap_pages`` maps its runs back)
             log.warning("pool %s: sleep %d refused: its pages could not be unmapped (%s)",
                         core.name, notice.sleep_id, exc.message)
-            core.lease.sleep_ready(notice.sleep_id, refused=True)
+            core.lease.sleep_ready(notice.sleep_id, refused=True,
+                                   why=f"its pages could not be unmapped ({exc.message})")
             return
         core.segments.hold(made)  # room under the process's map cap to map them back (refused, or a warm wake)
         core.allocator = core.new_allocator()

@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvdaemon.cuda_vmm.address_book import AddressBook
 from kvdaemon.cuda_vmm.backend import (
-    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer, unmap_slots,
+    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer, free_every_range,
+    unmap_slots,
 )
 from kvdaemon.cuda_vmm.device_view import address_view
 from kvdaemon.errors import BackendError
@@ -191,10 +192,7 @@ class CudaBackend:
     def close(self) -> None:
         if self._drv is None:
             return
-        for start in self._book.range_starts():
-            for addr in self._book.mapped_in(start):
-                self.unmap(addr, self.page_size_bytes)
-            self.free_range(start)
+        free_every_range(self, self._book)
         for _, stream in self._bulk:
             self._drv.cuStreamDestroy(stream)
         self._bulk.clear()

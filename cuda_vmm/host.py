@@ -57,7 +57,8 @@ import psutil
 from kvdaemon.cuda_vmm import host_copy
 from kvdaemon.cuda_vmm.address_book import AddressBook
 from kvdaemon.cuda_vmm.backend import (
-    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer, unmap_slots,
+    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer, free_every_range,
+    unmap_slots,
 )
 from kvdaemon.errors import BackendError
 
@@ -187,10 +188,7 @@ class HostBackend:
     def close(self) -> None:
         if self._libc is None:
             return
-        for start in self._book.range_starts():
-            for addr in self._book.mapped_in(start):
-                self.unmap(addr, self.page_size_bytes)
-            self.free_range(start)
+        free_every_range(self, self._book)
         for fd in self._imported_fds.values():
             os.close(fd)
         self._imported_fds.clear()

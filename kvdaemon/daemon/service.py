@@ -58,7 +58,7 @@ from kvdaemon.errors import (
     VersionMismatch,
 )
 from kvdaemon.wire.handles import MAX_GROW_PAGES, max_grant_pages
-from kvdaemon.wire.messages import SLEEP_MODES
+from kvdaemon.wire.messages import MAX_WHY_CHARS, SLEEP_MODES
 from kvdaemon.wire.protocol import (
     MAX_INT, MAX_VIRTUAL_PAGES, PROTOCOL_VERSION, REQUEST_LIMITS, Args, decode, peek_request_id, reply_error,
     reply_ok,
@@ -390,7 +390,8 @@ class Service:
     def op_sleep_ready(self, args: Args, call: Call) -> dict[str, Any] | PendingReply:
         tenant = self._authenticated(args)
         answer = call.defer()  # answered when a sliced warm copy ends
-        done = self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"), self.clock(), answer)
+        why = args.str("why", MAX_WHY_CHARS) if args.has("why") else None
+        done = self.sleeper.finish(tenant, args.int("sleep_id", 1), args.bool("refused"), self.clock(), answer, why)
         return answer if done is None else done
 
     def op_wake(self, args: Args, call: Call) -> dict[str, Any] | PendingReply:

@@ -155,10 +155,12 @@ class Sleeper:
 
     def finish(
         self, tenant: Tenant, sleep_id: int, refused: bool, now: float, answer: PendingReply | None = None,
+        why: str | None = None,
     ) -> dict[str, Any] | None:
         """The tenant's answer to sleep ``sleep_id``: the daemon's decision (module docstring).
         ``None`` while a sliced warm copy runs: ``answer`` (the tenant's reply) is answered at its
-        end, as are retried ``sleep_ready``s meanwhile (``park``)."""
+        end, as are retried ``sleep_ready``s meanwhile (``park``). ``why``: a refusal's reason
+        when it is not the want of a quiesce hook."""
         if tenant.last_sleep is not None and tenant.last_sleep[0] == sleep_id:
             return tenant.last_sleep[1]  # a retried sleep_ready: the same answer
         pending = tenant.pending_sleep
@@ -169,7 +171,7 @@ class Sleeper:
             return None
         if refused:
             tenant.pending_sleep = None
-            return self._refused(tenant, pending)
+            return self._refused(tenant, pending, why, now)
         if pending.mode == "cold":
             tenant.pending_sleep = None
             return self._slept(tenant, pending, None, now)
@@ -187,14 +189,22 @@ class Sleeper:
         )
         return None
 
-    def _refused(self, tenant: Tenant, pending: PendingSleep) -> dict[str, Any]:
-        log.warning("tenant %s refused to sleep (%s): its engine has no quiesce hook",
-                    tenant.name, pending.why)  # fmt: skip
-        tenant.sleepable = False
-        error = Conflict(
-            f"tenant {tenant.name!r} cannot be put to sleep: its engine has no quiesce hook "
-            "(a pool may still sleep itself)"
-        )
+    def _refused(self, tenant: Tenant, pending: PendingSleep, why: str | None, now: float) -> dict[str, Any]:
+        """A refused sleep: without ``why`` its engine has no quiesce hook (not sleepable until a
+        heartbeat says otherwise); with one the daemon asks it again on its own no sooner than
+        ``SLEEP_REFUSED_S`` later (``Tenant.may_be_slept``)."""
+        if why is None:
+            log.warning("tenant %s refused to sleep (%s): its engine has no quiesce hook",
+                        tenant.name, pending.why)  # fmt: skip
+            tenant.sleepable = False
+            error = Conflict(
+                f"tenant {tenant.name!r} cannot be put to sleep: its engine has no quiesce hook "
+                "(a pool may still sleep itself)"
+            )
+        else:
+            log.warning("tenant %s refused to sleep (%s): %s", tenant.name, pending.why, why)
+            tenant.sleep_refused_at = now
+            error = Conflict(f"tenant {tenant.name!r} refused to sleep: {why}")
         if pending.waiter is not None:
             pending.waiter.fail(error)
         return {"state": tenant.state.value, "refused": True}
@@ -268,7 +278,7 @@ class Sleeper:
         """The idle policy: sleep active, quiescable tenants whose blocks have not changed for ``idle_s``."""
         for tenant in self.tenants:
             idle = now - tenant.last_active
-            if (tenant.state is TenantState.ACTIVE and tenant.leased and tenant.sleepable
+            if (tenant.state is TenantState.ACTIVE and tenant.leased and tenant.may_be_slept(now)
                     and tenant.pending_sleep is None and idle >= idle_s):  # fmt: skip
                 log.info("tenant %s idle for %.0f s: asking it to sleep (%s)",
                          tenant.name, idle, mode)  # fmt: skip

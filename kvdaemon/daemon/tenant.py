@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 MAX_SEGMENTS = 4096
+SLEEP_REFUSED_S = 60.0  # after a tenant refused a sleep for a reason of its own, the daemon asks again no sooner
 
 
 class TenantState(str, enum.Enum):
@@ -144,6 +145,7 @@ class Tenant:
     weight: float
     registered_at: float  # the service's clock when it registered
     sleepable: bool = False  # its engine can be quiesced: the daemon may sleep it on its own
+    sleep_refused_at: float = float("-inf")  # when it last refused a sleep for a reason of its own
     state: TenantState = TenantState.ACTIVE
     logical: dict[int, list[PhysicalPage]] = field(default_factory=dict)
     used_bytes: int = 0
@@ -210,6 +212,11 @@ class Tenant:
         """Physical pages it could give back above ``min_bytes``; logical page 0 stays (pinned)."""
         keep = max(self.min_bytes, self.logical_page_bytes if 0 in self.logical else 0)
         return max(0, self.mapped_bytes - keep) // self.page_size_bytes
+
+    def may_be_slept(self, now: float) -> bool:
+        """The daemon may ask it to sleep on its own (idle policy, reclaim): it can quiesce and
+        has not refused a sleep within ``SLEEP_REFUSED_S``. O(1)."""
+        return self.sleepable and now - self.sleep_refused_at >= SLEEP_REFUSED_S
 
     def touch(self, now: float) -> None:
         self.last_active = now

@@ -29,7 +29,8 @@ set_limit     name, max_bytes?, min_bytes?, weight?, revision?, max?, min? (size
               ``kvdaemon.daemon.limits``)
 sleep         name, mode, token? -> state, num_released, host_bytes (answered once
               the tenant quiesced, or refused)
-sleep_ready   tenant, token, sleep_id, refused? -> the same result as ``sleep``
+sleep_ready   tenant, token, sleep_id, refused?, why? (a refusal's reason, when not for
+              want of a quiesce hook) -> the same result as ``sleep``
 wake          name, token? -> state, mapped_bytes
 shutdown      -> {}
 ============  =====================================================================
@@ -53,6 +54,7 @@ OPS = (
     "sleep", "sleep_ready", "wake", "shutdown",
 )
 SLEEP_MODES = ("warm", "cold")
+MAX_WHY_CHARS = 200  # a refused sleep's reason (``sleep_ready``'s ``why``), at most
 MAX_WAKE_PAGES = 8192  # logical pages one wake notice names: 5 bytes each at most, within a frame
 MAX_CLOCK_S = 1e15  # a clock reading in seconds (``CLOCK_MONOTONIC``) beyond any machine's uptime
 

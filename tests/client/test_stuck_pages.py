@@ -1,9 +1,14 @@
 """A map the OS refuses whose rollback it refuses too: the pages some slot still maps stay the
-pool's (``SegmentMap.stuck``), never given back to be granted again, until they can be unmapped."""
+pool's (``SegmentMap.stuck``), never given back to be granted again, until they can be unmapped;
+meanwhile the pool maps nothing more and refuses to sleep, and a close leaves its pages held."""
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import signal
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -11,18 +16,21 @@ import torch
 
 from kvdaemon.client import KVClient, KVPool, KVSpec
 from kvdaemon.client.pool_state import PoolState
-from kvdaemon.errors import BackendError, Conflict
+from kvdaemon.errors import BackendError, Conflict, PoolExhausted
 
-from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon
+from tests.conftest import (
+    PAGE_BYTES, RunningDaemon, running_daemon, short_dir, start_daemon, tenant_rows, wait_until,
+)
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float16)
 BLOCKS_PER_PAGE = PAGE_BYTES // SPEC.block_bytes
 LOGICAL = SPEC.num_segments * PAGE_BYTES
+CAPACITY = 64 << 20
 
 
 @pytest.fixture
 def kvd() -> Iterator[RunningDaemon]:
-    with running_daemon("64MiB") as running:
+    with running_daemon(f"{CAPACITY}B") as running:
         yield running
 
 
@@ -44,7 +52,8 @@ def refuse_unmaps_of(pool: KVPool, monkeypatch: pytest.MonkeyPatch, slot: int | 
 
 def stick_a_page(pool: KVPool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
     """Grow the pool by two pages through a map refused at its second slot, with every unmap
-    refused meanwhile: the first page ends stuck. Returns it and its slot in segment 0."""
+    refused meanwhile: the first page ends stuck, the second goes back unmapped (an engine sees
+    ``PoolExhausted``). Returns the stuck page and its slot in segment 0."""
     real_map_page, calls = pool.backend.map_page, [0]
 
     def map_page(addr: int, page: object) -> None:
@@ -60,13 +69,13 @@ def stick_a_page(pool: KVPool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, in
         patch.setattr(pool.backend, "map_page", map_page)
         patch.setattr(pool.backend, "map_pages", map_pages)
         refuse_unmaps_of(pool, patch, None)
-        with pytest.raises(BackendError, match="mmap failed"):
+        with pytest.raises(PoolExhausted, match="mmap failed"):
             pool.alloc(2 * BLOCKS_PER_PAGE)
     (lp,) = pool.core.segments.stuck
     return lp, pool.core.segments.bases[0] + lp * PAGE_BYTES
 
 
-def test_a_stuck_page_stays_the_pools_until_a_sleep_can_unmap_it_and_gives_it_back(
+def test_a_stuck_page_stays_the_pools_and_stops_its_grows_and_sleeps_until_it_can_be_unmapped(
     kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = kvd.client()
@@ -78,20 +87,37 @@ def test_a_stuck_page_stays_the_pools_until_a_sleep_can_unmap_it_and_gives_it_ba
     # the other granted page went back; the stuck one is still this tenant's on both sides
     assert mapped_bytes(client) == pool.mapped_bytes == 2 * LOGICAL
     refuse_unmaps_of(pool, monkeypatch, slot)
-    blocks = pool.alloc(2 * BLOCKS_PER_PAGE)  # a grow asks for other pages than the stuck one
-    assert lp not in pool.core.segments.pages and mapped_bytes(client) == 4 * LOGICAL
-    pool.key_cache(0)[blocks] = 3.0
-    with pytest.raises(Conflict):  # a sleep would let the daemon free a page this process maps
+    with pytest.raises(PoolExhausted, match="failed map left mapped cannot be unmapped"):
+        pool.alloc(2 * BLOCKS_PER_PAGE)  # no more pages while one is stuck: the fault would pile them up
+    with pytest.raises(Conflict, match="refused to sleep: 1 page"):  # the daemon would free a page mapped here
         client.sleep("a", "warm", timeout_s=5)
     assert pool.state is PoolState.ACTIVE and pool.core.segments.stuck.keys() == {lp}
+    assert mapped_bytes(client) == 2 * LOGICAL
     monkeypatch.undo()
-    client.sleep("a", "warm", timeout_s=5)  # unmapped now: released and given back first
-    assert pool.core.segments.stuck == {} and not pool.backend.is_mapped(slot)
+    blocks = pool.alloc(2 * BLOCKS_PER_PAGE)  # unmapped now: released and given back, then the grow
+    assert pool.core.segments.stuck == {} and pool.backend.is_mapped(slot) == (lp in pool.core.segments.pages)
+    pool.key_cache(0)[blocks] = 3.0
+    client.sleep("a", "warm", timeout_s=5)
     pool.wake()
     assert bool((pool.key_cache(0)[blocks] == 3.0).all())
     assert mapped_bytes(client) == pool.mapped_bytes == 3 * LOGICAL  # page 0 and the two with blocks
     pool.free(first + blocks)
     kvd.check_invariants()
+    pool.close()
+
+
+def test_a_stuck_page_counts_against_the_limit_on_the_fast_path(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=8)
+    pool.alloc(1)
+    stick_a_page(pool, monkeypatch)
+    client.set_limit("a", max_bytes=LOGICAL)  # one logical page: the stuck one puts the pool over it
+    assert pool.core.pages_over_limit() == 1 and pool.core.max_pages == 0
+    with pytest.raises(PoolExhausted, match="past its limit"):
+        pool.alloc(1)  # page 0's free blocks stay free, to empty and go back
+    monkeypatch.undo()
     pool.close()
 
 
@@ -106,6 +132,69 @@ def test_a_pool_closes_with_a_page_it_cannot_unmap(
     with caplog.at_level(logging.ERROR, logger="kvdaemon.client.pool"):
         pool.close()  # the rest goes; the stuck page's range stays reserved, logged
     assert pool.state is PoolState.CLOSED and pool.backend.is_mapped(slot)
-    assert "could not be unmapped" in caplog.text
-    assert "a" not in {t["name"] for t in client.status()["tenants"]}
+    assert "could not be unmapped" in caplog.text and "closes without unregistering" in caplog.text
+    wait_until(lambda: "a" not in {t["name"] for t in client.status()["tenants"]}, 5, "a was not removed")
+    status = client.status()  # not freed at once, as an unregister would: held while this process lives
+    assert status["quarantined_bytes"] == 2 * LOGICAL and status["free_bytes"] == CAPACITY - 2 * LOGICAL
     kvd.check_invariants()
+    with caplog.at_level(logging.ERROR, logger="kvdaemon.cuda_vmm"):
+        client.close()  # its backend unmaps what it can and keeps the rest reserved, raising nothing
+    assert "stays reserved" in caplog.text
+
+
+def test_stuck_pages_of_a_dead_daemon_are_never_counted_nor_given_back_to_the_next(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = short_dir()
+    daemons = [start_daemon(root)]
+    client = KVClient(root)
+    try:
+        pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=8)
+        blocks = pool.alloc(1)
+        pool.key_cache(0)[blocks] = 4.0
+        lp, slot = stick_a_page(pool, monkeypatch)
+        refuse_unmaps_of(pool, monkeypatch, slot)
+        os.kill(daemons[0].pid, signal.SIGKILL)
+        daemons[0].wait(10)
+        wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
+        daemons.append(start_daemon(root))
+        wait_until(lambda: not pool.lease.lost.is_set(), 15, "the pool never joined the new daemon")
+        rows = tenant_rows(client)
+        assert rows is not None and rows["a"]["mapped_bytes"] == pool.mapped_bytes == LOGICAL  # page 0 moved
+        assert pool.core.old_stuck == {lp} and bool((pool.key_cache(0)[blocks] == 4.0).all())
+        monkeypatch.undo()
+        with caplog.at_level(logging.INFO, logger="kvdaemon.client.pool"):
+            more = pool.alloc(2 * BLOCKS_PER_PAGE)  # the stuck page unmaps, released here, not given back
+        assert pool.core.segments.stuck == {} and pool.core.old_stuck == set()
+        assert "already given back" not in caplog.text
+        rows = tenant_rows(client)
+        assert rows is not None and rows["a"]["mapped_bytes"] == pool.mapped_bytes == 3 * LOGICAL
+        pool.free(blocks + more)
+        pool.close()
+    finally:
+        for proc in daemons:
+            if proc.poll() is None:
+                proc.kill()
+        client.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_an_idle_pool_that_refuses_to_sleep_says_why_and_is_not_asked_again_at_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with running_daemon(f"{CAPACITY}B", idle_sleep_s=0.5) as kvd:
+        client = kvd.client()
+        pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=8)
+        pool.quiesce_hook = lambda: None
+        pool.alloc(1)
+        with caplog.at_level(logging.WARNING, logger="kvdaemon.sleep"):
+            _, slot = stick_a_page(pool, monkeypatch)
+            refuse_unmaps_of(pool, monkeypatch, slot)
+            wait_until(lambda: "refused to sleep" in caplog.text, 10, "the idle policy never asked")
+            time.sleep(3)  # six idle periods: asked once, not again within SLEEP_REFUSED_S
+        refusals = [r.getMessage() for r in caplog.records if "refused to sleep" in r.getMessage()]
+        assert len(refusals) == 1 and "1 page(s) a failed map left mapped" in refusals[0], refusals
+        row = next(t for t in client.status()["tenants"] if t["name"] == "a")
+        assert row["state"] == "active" and row["sleepable"], "a reason of its own is not a missing quiesce hook"
+        monkeypatch.undo()
+        pool.close()
