@@ -17,6 +17,7 @@ Cost: O(pages) plus one backend create/export (grow) or release (shrink) per pag
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import Callable
@@ -181,19 +182,23 @@ class Grants:
         """Export ``pages`` in frames of at most ``MAX_FDS_PER_FRAME`` pages.
 
         Returns ``(first page index, fds, fd index per page)`` per frame. On a
-        backend error or an ``OSError`` (out of fds: ``EMFILE``) the pages go
-        back to the pool and no fd is left open.
+        backend error or an ``OSError`` (out of fds: ``EMFILE``, raised as a
+        ``BackendError`` named by its errno) the pages go back to the pool and
+        no fd is left open.
         """
         frames: list[tuple[int, list[int], list[int]]] = []
         try:
             for start in range(0, len(pages), MAX_FDS_PER_FRAME):
                 fds, fd_index = self.pages.backend.export_pages(pages[start : start + MAX_FDS_PER_FRAME])
                 frames.append((start, fds, fd_index))
-        except (BackendError, OSError):
+        except (BackendError, OSError) as exc:
             for _, fds, _ in frames:
                 for fd in fds:
                     os.close(fd)
             self.pages.free([p.page_id for p in pages])
+            if isinstance(exc, OSError):  # a stable code for the tenant: out of fds, say so
+                raise BackendError(f"the daemon could not export page fds: {exc.strerror}",
+                                   errno.errorcode.get(exc.errno or 0)) from exc
             raise
         return frames
 

@@ -337,13 +337,15 @@ class LeaseTable:
         return len(self.conns) + unread + self._closer.num_pending
 
     def _bound_fds(self) -> None:
-        """Revoke the leases holding the most unread fds while over ``fd_budget``."""
+        """Revoke the connections (leases or grant channels: either ends its lease) holding the
+        most unread fds while over ``fd_budget``. O(connections) while over it."""
         if self.num_held_fds() <= self.fd_budget:
             return
-        for conn in self.leases.values():
+        conns = [*self.leases.values(), *self.grant_conns.values()]
+        for conn in conns:
             conn.outbox.refresh()  # count only what peers have not read by now
         while self.num_held_fds() > self.fd_budget:
-            live = [conn for conn in self.leases.values() if conn.closing is None]
+            live = [conn for conn in conns if conn.closing is None]
             hog = max(live, key=lambda conn: conn.outbox.num_unread_fds, default=None)
             if hog is None or hog.outbox.num_unread_fds == 0:
                 return

@@ -43,13 +43,15 @@ class LogThrottle:
         self._clock = clock
         self._kinds: dict[str, _Kind] = {}
 
-    def warning(self, key: str, msg: str, *args: Any) -> None:
-        """Log ``msg % args`` unless ``key`` was logged within the interval; count it either way."""
+    def warning(self, key: str, msg: str, *args: Any, traceback: bool = False) -> None:
+        """Log ``msg % args`` unless ``key`` was logged within the interval; count it either way.
+        ``traceback``: the key's first line carries the exception being handled (the later ones,
+        counted, do not)."""
         now = self._clock()
         kind = self._kinds.get(key)
         if kind is None:
             self._kinds[key] = _Kind(logged_at=now)
-            self.logger.warning(msg, *args)
+            self.logger.warning(msg, *args, exc_info=traceback)
             return
         kind.num_total += 1
         if now - kind.logged_at < self.interval_s:

@@ -66,7 +66,13 @@ from kvdaemon.wire.protocol import (
 
 log = logging.getLogger("kvdaemon.service")
 MAX_CONNS_REMEMBERED = 4096  # control connections whose dropped registrations are counted (``_make_room``)
+LOGGED_REFUSALS = frozenset({"BAD_REQUEST", "UNKNOWN_OP", "FORBIDDEN", "VERSION_MISMATCH", "BACKEND_ERROR"})
 Clock = Callable[[], float]
+
+
+def _op_name(op: object) -> str:
+    """``op`` as a log names it: a short string, whatever a peer sent."""
+    return op[:40] if isinstance(op, str) else "malformed"
 
 
 class Service:
@@ -141,6 +147,7 @@ class Service:
         try:
             message = decode(raw, REQUEST_LIMITS)  # the cost of one request is bounded
         except KVDaemonError as exc:
+            self._note_refused("undecodable", exc)
             return reply_error(peek_request_id(raw), exc)
         return self.serve(message, routing_id, self.sink)
 
@@ -162,10 +169,21 @@ class Service:
                 self.reclaimer.tell_free(self.clock())  # a shrink or a leaver may have freed pages
             return None if isinstance(result, PendingReply) else reply_ok(request_id, result)
         except KVDaemonError as exc:
+            self._note_refused(message.get("op"), exc)
             return reply_error(request_id, exc)
         except Exception as exc:  # one failing request must not end the daemon
-            log.exception("internal error serving a request")
+            self.warnings.warning(f"internal:{type(exc).__name__}", "internal error serving a %s request: %r",
+                                  _op_name(message.get("op")), exc, traceback=True)
             return reply_error(request_id, KVDaemonError(f"internal error: {exc!r}"))
+
+    def _note_refused(self, op: object, exc: KVDaemonError) -> None:
+        """One log line (throttled per op and code) for a request refused as malformed, not
+        allowed or failing in the daemon: an operator sees a broken or probing client. The
+        refusals of normal operation (no memory, over a limit, asleep, a conflict) are not logged."""
+        if exc.code in LOGGED_REFUSALS:
+            kind = op if isinstance(op, str) and op in self._ops else "other"  # a peer's names make no new keys
+            self.warnings.warning(f"refused:{kind}:{exc.code}", "refused a %s request: %s %s", _op_name(op),
+                                  exc.code, exc.message[:200])
 
     # -- authentication --------------------------------------------------------
 

@@ -224,6 +224,35 @@ def test_a_lease_that_never_reads_its_grants_is_revoked_within_the_fd_budget(
         assert_serves(fresh)
 
 
+def test_a_grant_channel_that_never_reads_its_grants_is_revoked_within_the_fd_budget(
+    kvd: RunningDaemon,
+) -> None:
+    """Grows and shrinks sent on the tenant's grant channel, their grant frames (a pool fd
+    each) never read: the fds the daemon holds for it count against the budget as a lease's do,
+    so the channel is revoked (ending its lease) long before the daemon runs out of fds."""
+    budget = 48
+    kvd.daemon.leases.fd_budget = budget
+    with closing(kvd.client()) as client:
+        lease, token = register_raw(client, "hog")
+        with closing(lease), closing(connect(kvd)) as channel:
+            channel.send(encode({"tenant": "hog", "token": token, "channel": "grants"}))
+            assert recv_frame(channel)[0]["ok"] is True
+            args = {"tenant": "hog", "token": token, "logical_pages": [0]}
+            for i in range(10 * budget):
+                try:
+                    channel.send(encode({"id": 2 * i + 1, "op": "grow", "args": args}))
+                    channel.send(encode({"id": 2 * i + 2, "op": "shrink", "args": args}))
+                except OSError:  # revoked and closed
+                    break
+                assert kvd.daemon.leases.num_held_fds() <= budget + 8  # + the connections and the closer's lag
+            wait_until(lambda: "hog" not in {t["name"] for t in client.status()["tenants"]}, 5, "never revoked")
+            # its unread grants, then EOF (the revoked notice when it fitted in the socket's buffer)
+            assert {body.get("notice") for body in read_until_eof(channel)} <= {"revoked", None}
+        assert_freed(client, "hog")
+        kvd.check_invariants()
+        assert_serves(client)
+
+
 def test_a_lease_that_never_reads_its_notices_is_revoked_past_the_byte_bound(
     kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -285,7 +314,8 @@ def test_a_failed_export_gives_the_pages_back(
             before = num_open_fds()
             with pytest.raises(KVDaemonError) as raised:
                 client.call("grow", {"tenant": "a", "token": token, "logical_pages": [0]})
-            assert raised.value.code == "INTERNAL"
+            assert raised.value.code == "BACKEND_ERROR"  # a stable code, named: not an internal error
+            assert "could not export page fds: Too many open files [EMFILE]" in raised.value.message
             assert num_open_fds() == before  # the first frame's fd was closed
             status = client.status()
             assert status["free_bytes"] == status["capacity_bytes"]
@@ -478,3 +508,34 @@ def test_a_daemon_in_its_own_pid_namespace_refuses_tenants_outside_it() -> None:
         proc.kill()  # unshare's child, the daemon, dies with it (--kill-child)
         proc.wait(30)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_refused_and_failing_requests_are_logged_once_per_kind_not_once_each(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client guessing tokens or sending ops the daemon lacks shows in its log (one line per
+    kind and interval, whatever names it sends); an internal error's first line has its traceback."""
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("a bug (a test)")
+
+    monkeypatch.setitem(kvd.daemon.service._ops, "status", broken)
+    with closing(kvd.client()) as client, caplog.at_level(logging.WARNING, logger="kvdaemon.service"):
+        sock, _ = register_raw(client, "a")
+        with closing(sock):
+            for i in range(30):
+                with pytest.raises(Forbidden):
+                    client.call("grow", {"tenant": "a", "token": "x" * 32, "logical_pages": [0]})
+                with pytest.raises(KVDaemonError) as unknown:
+                    client.call(f"probe-{i}", {})
+                assert unknown.value.code == "UNKNOWN_OP"
+                with pytest.raises(KVDaemonError) as internal:
+                    client.call("status", {})
+                assert internal.value.code == "INTERNAL"
+    records = [r for r in caplog.records if r.name == "kvdaemon.service"]
+    assert [r.getMessage() for r in records] == [
+        "refused a grow request: FORBIDDEN wrong token for tenant 'a'",
+        "refused a probe-0 request: UNKNOWN_OP unknown op 'probe-0'",
+        "internal error serving a status request: RuntimeError('a bug (a test)')"]
+    assert records[2].exc_info and not records[0].exc_info
+    assert kvd.daemon.service.warnings.count("refused:other:UNKNOWN_OP") == 30
