@@ -20,16 +20,18 @@ import math
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdaemon.client.control import ControlChannel
 from kvdaemon.client.lease import Lease
-from kvdaemon.client.pool import KVPool, check_wait_s
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import BadRequest, DaemonUnreachable, KVDaemonError, PoolClosed
 from kvdaemon.wire.messages import checked_limit, describe_clamp
 from kvdaemon.wire.paths import DaemonPaths, default_dir, running_pid
 from kvdaemon.wire.protocol import MAX_VIRTUAL_PAGES, PROTOCOL_VERSION
+
+if TYPE_CHECKING:
+    from kvdaemon.client.pool import KVPool
 
 log = logging.getLogger("kvdaemon.client")
 
@@ -205,6 +207,8 @@ class KVClient:
         info = self.daemon_info or self.hello()
         told_s = info.get("reclaim_wait_s")
         most_s = float(told_s) if isinstance(told_s, (int, float)) and not isinstance(told_s, bool) else math.inf
+        from kvdaemon.client.pool import KVPool, check_wait_s  # the pool's machinery: not for a CLI's status
+
         check_wait_s(grow_wait_s, most_s)
         page = int(info["page_size"])
         total = int(info["capacity_bytes"]) if virtual_bytes is None else virtual_bytes

@@ -113,19 +113,33 @@ class KVPool:
         try:
             with core.lock:
                 core.cell.move(PoolState.CLOSED)
-                core.drop_all_pages()
-                if core.segments.stuck:  # unregistering frees every page at once: not one this process maps
-                    log.error("pool %s closes without unregistering: its daemon keeps its pages (quarantined) "
-                              "until this process maps none", core.name)
-                    core.lease.abandon()
-                else:
-                    core.lease.close()
+                self._drop_and_end_lease()
         finally:
             with core.lock:
                 self._caches.clear()
                 core.segments.free_ranges()
             if self._on_close is not None:
                 self._on_close(self)
+
+    def _drop_and_end_lease(self) -> None:
+        """Unmap every page and unregister (lock held). Where the OS keeps some mapped (an unmap
+        refused, or ``stuck`` pages), unregistering would free them while this process maps them:
+        the pages that did unmap go back, and the lease ends without unregistering, so the daemon
+        holds the rest (quarantined) until this process maps none."""
+        core = self.core
+        held = list(core.segments.pages)
+        try:
+            core.drop_all_pages()
+        except BackendError as exc:
+            log.error("pool %s: its pages could not all be unmapped at its close: %s", core.name, exc.message)
+        mapped = set(core.segments.pages) | (core.segments.stuck.keys() - core.old_stuck)
+        if not mapped:
+            core.lease.close()
+            return
+        log.error("pool %s closes without unregistering: %d logical page(s) stay mapped here, which its daemon "
+                  "keeps (quarantined) until this process maps none", core.name, len(mapped))
+        core.give_back([lp for lp in held if lp not in mapped])
+        core.lease.abandon()
 
     def __enter__(self) -> KVPool:
         return self

@@ -510,7 +510,10 @@ class PoolCore:
         ``stuck`` that still cannot be unmapped stay so (logged): their slots keep them."""
         self.segments.drop_pages(self.segments.pages)
         freed = self.segments.unmap_stuck() if self.segments.stuck else {}
-        self.segments.release([page for pages in freed.values() for page in pages])
+        try:
+            self.segments.release([page for pages in freed.values() for page in pages])
+        except BackendError as exc:  # a handle kept here maps nowhere
+            log.error("pool %s: releasing pages a failed map had left mapped: %s", self.name, exc.message)
         self.old_stuck.difference_update(freed)
         self.stuck_changed()
         if self.segments.stuck:

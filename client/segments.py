@@ -57,15 +57,16 @@ class SegmentMap:
 
     def free_ranges(self) -> None:
         """Give the ranges back (and any hold); every page must be unmapped first. A range
-        whose ``stuck`` pages are mapped still cannot go: it is kept (logged), the others go."""
+        whose pages the OS would not unmap (``stuck``, or still in the table) cannot go: it is
+        kept (logged), the others go."""
         self.release_hold()
         for base in self.bases:
             try:
                 self.backend.free_range(base)
             except BackendError as exc:
-                if not self.stuck:
+                if not (self.stuck or self.pages):
                     raise
-                log.error("a range at %#x keeps pages a failed map left mapped; it stays reserved (%s)", base, exc)
+                log.error("a range at %#x keeps pages the OS would not unmap; it stays reserved (%s)", base, exc)
         self.bases.clear()
 
     def view(self, segment: int, size_bytes: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,9 +1,29 @@
-"""Virtual-memory backends behind one interface: ``cuda`` (driver VMM) and ``host`` (memfd)."""
+"""Virtual-memory backends behind one interface: ``cuda`` (driver VMM) and ``host`` (memfd).
+
+The backends load on first use (``kvdaemon.cuda_vmm.HostBackend`` imports ``host``): a module
+that needs only ``PhysicalPage`` or ``Backend`` (the daemon's tables, the CLI) pays for neither.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, Backend, MemInfo, PhysicalPage
-from kvdaemon.cuda_vmm.cuda import CudaBackend
-from kvdaemon.cuda_vmm.host import HostBackend
-from kvdaemon.cuda_vmm.chooser import BACKEND_NAMES, auto_kind, cuda_available, open_backend
+
+if TYPE_CHECKING:
+    from kvdaemon.cuda_vmm.chooser import BACKEND_NAMES, auto_kind, cuda_available, open_backend
+    from kvdaemon.cuda_vmm.cuda import CudaBackend
+    from kvdaemon.cuda_vmm.host import HostBackend
+
+_LAZY = {
+    "CudaBackend": "kvdaemon.cuda_vmm.cuda",
+    "HostBackend": "kvdaemon.cuda_vmm.host",
+    "BACKEND_NAMES": "kvdaemon.cuda_vmm.chooser",
+    "auto_kind": "kvdaemon.cuda_vmm.chooser",
+    "cuda_available": "kvdaemon.cuda_vmm.chooser",
+    "open_backend": "kvdaemon.cuda_vmm.chooser",
+}
 
 __all__ = [
     "BACKEND_NAMES",
@@ -17,3 +37,13 @@ __all__ = [
     "cuda_available",
     "open_backend",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a backend's module when one of its names is first asked for (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import platform
 import re
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,8 @@ def versions(daemon: dict[str, Any] | None, device: int = 0) -> dict[str, Any]:
 
 
 def package_version(name: str) -> str | None:
+    from importlib import metadata  # ~30 ms: only `version` asks
+
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:

@@ -362,7 +362,13 @@ class LeaseTable:
             self._revoke(conn, f"{queued} bytes of frames unread, over the daemon's bound of {MAX_QUEUED_BYTES}")
 
     def _revoke(self, conn: Conn, why: str) -> None:
-        """Tell the peer its lease is revoked and close the connection after this loop round."""
+        """Tell the peer its lease is revoked and close the connection after this loop round (a
+        grant channel's: its lease too, told there, where the pool reads its notices)."""
+        lease = self.leases.get(conn.tenant_id) if conn.grants else None  # type: ignore[arg-type]
+        if lease is not None and lease.closing is None:
+            conn.outbox.discard()  # its grants' fds close now
+            self._mark_dead(conn, f"revoked: {why}")
+            conn = lease
         self.warnings.warning("revoked", "revoked a lease of pid %d: %s", conn.pid, why)
         conn.outbox.discard()  # grants it has not read: their fds close now
         conn.outbox.push({"notice": "revoked", "args": {"why": why}})

@@ -277,7 +277,7 @@ class Reclaimer:
             return False
         candidates = [
             t for t, _ in self._victims(requester, now)
-            if t.min_bytes == 0 and t.pending_sleep is None and t.may_be_slept(now)
+            if t.min_bytes == 0 and t.pending_sleep is None and t.sleepable
         ]  # fmt: skip
         if not candidates:
             return False

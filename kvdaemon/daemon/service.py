@@ -71,8 +71,10 @@ Clock = Callable[[], float]
 
 
 def _op_name(op: object) -> str:
-    """``op`` as a log names it: a short string, whatever a peer sent."""
-    return op[:40] if isinstance(op, str) else "malformed"
+    """``op`` as a log names it: a short string, quoted where a peer's text could forge a line."""
+    if not isinstance(op, str):
+        return "malformed"
+    return op if op.isidentifier() else repr(op[:40])
 
 
 class Service:
@@ -172,8 +174,10 @@ class Service:
             self._note_refused(message.get("op"), exc)
             return reply_error(request_id, exc)
         except Exception as exc:  # one failing request must not end the daemon
-            self.warnings.warning(f"internal:{type(exc).__name__}", "internal error serving a %s request: %r",
-                                  _op_name(message.get("op")), exc, traceback=True)
+            op = message.get("op")
+            kind = op if isinstance(op, str) and op in self._ops else "other"
+            self.warnings.warning(f"internal:{kind}:{type(exc).__name__}", "internal error serving a %s request: %r",
+                                  _op_name(op), exc, traceback=True)
             return reply_error(request_id, KVDaemonError(f"internal error: {exc!r}"))
 
     def _note_refused(self, op: object, exc: KVDaemonError) -> None:

@@ -202,7 +202,7 @@ class Sleeper:
                 "(a pool may still sleep itself)"
             )
         else:
-            log.warning("tenant %s refused to sleep (%s): %s", tenant.name, pending.why, why)
+            log.warning("tenant %s refused to sleep (%s): %r", tenant.name, pending.why, why)  # its text, quoted
             tenant.sleep_refused_at = now
             error = Conflict(f"tenant {tenant.name!r} refused to sleep: {why}")
         if pending.waiter is not None:

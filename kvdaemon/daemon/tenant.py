@@ -214,8 +214,8 @@ class Tenant:
         return max(0, self.mapped_bytes - keep) // self.page_size_bytes
 
     def may_be_slept(self, now: float) -> bool:
-        """The daemon may ask it to sleep on its own (idle policy, reclaim): it can quiesce and
-        has not refused a sleep within ``SLEEP_REFUSED_S``. O(1)."""
+        """The idle policy may ask it to sleep: it can quiesce and has not refused a sleep within
+        ``SLEEP_REFUSED_S`` (memory wanted by another, a reclaim, asks whatever). O(1)."""
         return self.sleepable and now - self.sleep_refused_at >= SLEEP_REFUSED_S
 
     def touch(self, now: float) -> None:

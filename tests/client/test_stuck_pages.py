@@ -10,6 +10,7 @@ import shutil
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -134,17 +135,19 @@ def test_a_pool_closes_with_a_page_it_cannot_unmap(
     assert pool.state is PoolState.CLOSED and pool.backend.is_mapped(slot)
     assert "could not be unmapped" in caplog.text and "closes without unregistering" in caplog.text
     wait_until(lambda: "a" not in {t["name"] for t in client.status()["tenants"]}, 5, "a was not removed")
-    status = client.status()  # not freed at once, as an unregister would: held while this process lives
-    assert status["quarantined_bytes"] == 2 * LOGICAL and status["free_bytes"] == CAPACITY - 2 * LOGICAL
+    status = client.status()  # page 0 given back; the stuck page held while this process lives
+    assert status["quarantined_bytes"] == LOGICAL and status["free_bytes"] == CAPACITY - LOGICAL
     kvd.check_invariants()
     with caplog.at_level(logging.ERROR, logger="kvdaemon.cuda_vmm"):
         client.close()  # its backend unmaps what it can and keeps the rest reserved, raising nothing
     assert "stays reserved" in caplog.text
 
 
-def test_stuck_pages_of_a_dead_daemon_are_never_counted_nor_given_back_to_the_next(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+@contextmanager
+def moved_with_a_stuck_page(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[KVClient, KVPool, list[int], int]]:
+    """A pool with a block on page 0 and a stuck page (its unmap refused still), whose daemon was
+    SIGKILLed and replaced: it moved to the new one. Yields the client, the pool, the block, the
+    stuck page."""
     root = short_dir()
     daemons = [start_daemon(root)]
     client = KVClient(root)
@@ -159,6 +162,19 @@ def test_stuck_pages_of_a_dead_daemon_are_never_counted_nor_given_back_to_the_ne
         wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
         daemons.append(start_daemon(root))
         wait_until(lambda: not pool.lease.lost.is_set(), 15, "the pool never joined the new daemon")
+        yield client, pool, blocks, lp
+    finally:
+        for proc in daemons:
+            if proc.poll() is None:
+                proc.kill()
+        client.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_stuck_pages_of_a_dead_daemon_are_never_counted_nor_given_back_to_the_next(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with moved_with_a_stuck_page(monkeypatch) as (client, pool, blocks, lp):
         rows = tenant_rows(client)
         assert rows is not None and rows["a"]["mapped_bytes"] == pool.mapped_bytes == LOGICAL  # page 0 moved
         assert pool.core.old_stuck == {lp} and bool((pool.key_cache(0)[blocks] == 4.0).all())
@@ -171,12 +187,17 @@ def test_stuck_pages_of_a_dead_daemon_are_never_counted_nor_given_back_to_the_ne
         assert rows is not None and rows["a"]["mapped_bytes"] == pool.mapped_bytes == 3 * LOGICAL
         pool.free(blocks + more)
         pool.close()
-    finally:
-        for proc in daemons:
-            if proc.poll() is None:
-                proc.kill()
-        client.close()
-        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_pool_stuck_only_with_a_dead_daemons_page_closes_by_unregistering(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with moved_with_a_stuck_page(monkeypatch) as (client, pool, _, lp):
+        pool.close()  # the new daemon never granted the stuck page: it frees the pool's pages at once
+        assert pool.core.segments.stuck.keys() == {lp}
+        status = client.status()
+        assert status["tenants"] == [] and status["quarantined_bytes"] == 0
+        monkeypatch.undo()
 
 
 def test_an_idle_pool_that_refuses_to_sleep_says_why_and_is_not_asked_again_at_once(
@@ -198,3 +219,41 @@ def test_an_idle_pool_that_refuses_to_sleep_says_why_and_is_not_asked_again_at_o
         assert row["state"] == "active" and row["sleepable"], "a reason of its own is not a missing quiesce hook"
         monkeypatch.undo()
         pool.close()
+
+
+def test_a_pool_whose_pages_the_os_will_not_unmap_at_its_close_ends_its_lease_and_leaves_them_held(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = kvd.client()
+    pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=8)
+    pool.alloc(2 * BLOCKS_PER_PAGE)  # two logical pages
+    refuse_unmaps_of(pool, monkeypatch, None)
+    with caplog.at_level(logging.ERROR, logger="kvdaemon.client.pool"):
+        pool.close()  # raises nothing; not an unregister, which would free pages mapped here
+    assert "could not all be unmapped" in caplog.text and "2 logical page(s) stay mapped" in caplog.text
+    assert pool.state is PoolState.CLOSED and pool.core.lease.lost.is_set()
+    wait_until(lambda: "a" not in {t["name"] for t in client.status()["tenants"]}, 5, "its lease never ended")
+    assert client.status()["quarantined_bytes"] == 2 * LOGICAL
+    kvd.check_invariants()
+    monkeypatch.undo()
+
+
+def test_a_sleep_refused_for_a_reason_gone_since_does_not_keep_a_reclaim_from_sleeping_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The idle policy waits after a refusal; a reclaim, memory wanted now, asks again."""
+    with running_daemon(f"{CAPACITY}B", reclaim_escalate_s=0.05, reclaim_wait_s=5.0) as kvd:
+        client = kvd.client()
+        idle = client.register("idle", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+        idle.quiesce_hook = lambda: None
+        wait_until(lambda: tenant_rows(client)["idle"]["sleepable"], 5, "never sleepable")  # type: ignore[index]
+        idle.alloc(12 * BLOCKS_PER_PAGE)  # 48 of the 64 MiB
+        refuse_unmaps_of(idle, monkeypatch, None)
+        with pytest.raises(Conflict, match="refused to sleep: its pages could not be unmapped"):
+            client.sleep("idle", "warm", timeout_s=5)
+        monkeypatch.undo()  # the reason is gone
+        busy = client.register("busy", SPEC, num_spare_pages=0, num_prefetch_pages=0)
+        busy.alloc(6 * BLOCKS_PER_PAGE)  # 24 MiB: only by sleeping idle
+        assert tenant_rows(client)["idle"]["state"] == "sleeping-warm"  # type: ignore[index]
+        busy.close()
+        idle.close()

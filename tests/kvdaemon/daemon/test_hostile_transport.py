@@ -246,8 +246,9 @@ def test_a_grant_channel_that_never_reads_its_grants_is_revoked_within_the_fd_bu
                     break
                 assert kvd.daemon.leases.num_held_fds() <= budget + 8  # + the connections and the closer's lag
             wait_until(lambda: "hog" not in {t["name"] for t in client.status()["tenants"]}, 5, "never revoked")
-            # its unread grants, then EOF (the revoked notice when it fitted in the socket's buffer)
-            assert {body.get("notice") for body in read_until_eof(channel)} <= {"revoked", None}
+            assert {body.get("notice") for body in read_until_eof(channel)} <= {None}  # its unread grants, then EOF
+            # told on its lease, where a pool reads notices (an EOF alone reads as its daemon's death)
+            assert read_until_eof(lease)[-1].get("notice") == "revoked"
         assert_freed(client, "hog")
         kvd.check_invariants()
         assert_serves(client)
@@ -514,7 +515,8 @@ def test_refused_and_failing_requests_are_logged_once_per_kind_not_once_each(
     kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A client guessing tokens or sending ops the daemon lacks shows in its log (one line per
-    kind and interval, whatever names it sends); an internal error's first line has its traceback."""
+    kind and interval, whatever names it sends, quoted so that they forge no line); an internal
+    error's first line has its traceback."""
 
     def broken(*_args: object) -> None:
         raise RuntimeError("a bug (a test)")
@@ -527,7 +529,7 @@ def test_refused_and_failing_requests_are_logged_once_per_kind_not_once_each(
                 with pytest.raises(Forbidden):
                     client.call("grow", {"tenant": "a", "token": "x" * 32, "logical_pages": [0]})
                 with pytest.raises(KVDaemonError) as unknown:
-                    client.call(f"probe-{i}", {})
+                    client.call(f"probe-{i}\n2026-01-01 00:00:00 kvdaemon.service WARNING forged", {})
                 assert unknown.value.code == "UNKNOWN_OP"
                 with pytest.raises(KVDaemonError) as internal:
                     client.call("status", {})
@@ -535,7 +537,8 @@ def test_refused_and_failing_requests_are_logged_once_per_kind_not_once_each(
     records = [r for r in caplog.records if r.name == "kvdaemon.service"]
     assert [r.getMessage() for r in records] == [
         "refused a grow request: FORBIDDEN wrong token for tenant 'a'",
-        "refused a probe-0 request: UNKNOWN_OP unknown op 'probe-0'",
+        "refused a 'probe-0\\n2026-01-01 00:00:00 kvdaemon.ser' request: UNKNOWN_OP unknown op "
+        "'probe-0\\n2026-01-01 00:00:00 kvdaemon.service WARNING forged'",
         "internal error serving a status request: RuntimeError('a bug (a test)')"]
     assert records[2].exc_info and not records[0].exc_info
     assert kvd.daemon.service.warnings.count("refused:other:UNKNOWN_OP") == 30
