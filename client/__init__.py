@@ -6,12 +6,12 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvdaemon.client.connection import KVClient
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import PoolExhausted
+from kvdaemon.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from kvdaemon.client.lease import Lease
@@ -22,11 +22,4 @@ _LAZY = {"KVPool": "kvdaemon.client.pool", "Lease": "kvdaemon.client.lease"}
 __all__ = ["KVClient", "KVPool", "KVSpec", "Lease", "PoolExhausted"]
 
 
-def __getattr__(name: str) -> Any:
-    """Import ``KVPool`` or ``Lease`` when first asked for."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())

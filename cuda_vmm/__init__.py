@@ -6,10 +6,10 @@ that needs only ``PhysicalPage`` or ``Backend`` (the daemon's tables, the CLI) p
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvdaemon.cuda_vmm.backend import DEFAULT_PAGE_SIZE_BYTES, Backend, MemInfo, PhysicalPage
+from kvdaemon.lazy_names import lazy_names
 
 if TYPE_CHECKING:
     from kvdaemon.cuda_vmm.chooser import BACKEND_NAMES, auto_kind, cuda_available, open_backend
@@ -39,11 +39,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a backend's module when one of its names is first asked for (PEP 562)."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())
