@@ -490,9 +490,10 @@ class PoolCore:
                 log.info("pool %s: pages %s were already given back", self.name, lps[:8])
             self.pending_return.difference_update(lps)
 
-    def free_stuck(self) -> bool:
-        """Unmap what failed maps left ``stuck``, release those pages and give them back (lock
-        held); True when none is left stuck. O(stuck pages); nothing to do, the common case, O(1)."""
+    def free_stuck(self, give_back: bool = True) -> bool:
+        """Unmap what failed maps left ``stuck``, release those pages and (``give_back``) give
+        the daemon's back (lock held); True when none is left stuck. O(stuck pages); nothing to
+        do, the common case, O(1)."""
         freed = self.segments.unmap_stuck() if self.segments.stuck else {}
         if freed:
             try:
@@ -502,21 +503,15 @@ class PoolCore:
             ours = [lp for lp in freed if lp not in self.old_stuck]
             self.old_stuck.difference_update(freed)
             self.stuck_changed()
-            self.give_back(ours)
+            if give_back:
+                self.give_back(ours)
         return not self.segments.stuck
 
     def drop_all_pages(self) -> None:
         """Unmap every page here (without telling the daemon) and empty the allocator. Pages left
         ``stuck`` that still cannot be unmapped stay so (logged): their slots keep them."""
         self.segments.drop_pages(self.segments.pages)
-        freed = self.segments.unmap_stuck() if self.segments.stuck else {}
-        try:
-            self.segments.release([page for pages in freed.values() for page in pages])
-        except BackendError as exc:  # a handle kept here maps nowhere
-            log.error("pool %s: releasing pages a failed map had left mapped: %s", self.name, exc.message)
-        self.old_stuck.difference_update(freed)
-        self.stuck_changed()
-        if self.segments.stuck:
+        if not self.free_stuck(give_back=False):
             log.error("pool %s: %d logical page(s) a failed map left mapped could not be unmapped",
                       self.name, len(self.segments.stuck))
         self.segments.release_hold()  # a warm sleeper's: nothing of it is mapped back now

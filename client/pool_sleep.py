@@ -65,11 +65,12 @@ def _sleep_quiesced(core: PoolCore, notice: SleepNotice) -> None:
         if core.state is not PoolState.ACTIVE:
             core.lease.sleep_ready(notice.sleep_id, refused=True, why=f"the pool is {core.state.value}")
             return
-        if not core.free_stuck():  # the daemon frees a sleeper's pages: none may stay mapped here
+        core.free_stuck()
+        num_stuck = core.num_stuck_counted()  # a dead daemon's are not this one's to free
+        if num_stuck:  # the daemon frees a sleeper's pages: none may stay mapped here
             log.warning("pool %s: sleep %d refused: %d page(s) a failed map left mapped could not be unmapped",
-                        core.name, notice.sleep_id, len(core.segments.stuck))
-            core.lease.sleep_ready(notice.sleep_id, refused=True,
-                                   why=f"{len(core.segments.stuck)} page(s) a failed map left mapped")
+                        core.name, notice.sleep_id, num_stuck)
+            core.lease.sleep_ready(notice.sleep_id, refused=True, why=f"{num_stuck} page(s) a failed map left mapped")
             return
         if notice.mode == "warm":
             core.return_all_spare()  # empty pages are not worth a copy to host memory

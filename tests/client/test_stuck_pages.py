@@ -189,6 +189,16 @@ def test_stuck_pages_of_a_dead_daemon_are_never_counted_nor_given_back_to_the_ne
         pool.close()
 
 
+def test_a_pool_stuck_only_with_a_dead_daemons_page_sleeps_and_wakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    with moved_with_a_stuck_page(monkeypatch) as (client, pool, blocks, lp):
+        pool.quiesce_hook = lambda: None
+        client.sleep("a", "warm", timeout_s=5)  # the new daemon frees none of the pages mapped here
+        pool.wake()
+        assert bool((pool.key_cache(0)[blocks] == 4.0).all()) and pool.core.old_stuck == {lp}
+        monkeypatch.undo()
+        pool.close()
+
+
 def test_a_pool_stuck_only_with_a_dead_daemons_page_closes_by_unregistering(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
