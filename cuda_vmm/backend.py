@@ -22,7 +22,6 @@ is O(1) per page; no call scans a range.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -30,10 +29,6 @@ from kvdaemon.errors import BackendError
 
 if TYPE_CHECKING:
     import torch
-
-    from kvdaemon.cuda_vmm.address_book import AddressBook
-
-log = logging.getLogger("kvdaemon.cuda_vmm")
 
 DEFAULT_PAGE_SIZE_BYTES = 2 * 1024 * 1024
 COPY_SLICE_BYTES = 64 << 20  # a step of a daemon's bulk copy on the host: ~8 ms at host memcpy speed
@@ -230,15 +225,3 @@ def unmap_slots(backend: Backend, addr: int, num_slots: int) -> int:
             num_left += 1
     return num_left
 
-
-def free_every_range(backend: Backend, book: AddressBook) -> None:
-    """Unmap every mapped slot of ``book``'s ranges and free the ranges (a backend's close),
-    past refusals: a range keeping a slot the OS or driver would not unmap stays reserved
-    (logged), the others go. Cost: one unmap call per mapped slot, one free per range."""
-    for start in book.range_starts():
-        num_left = sum(unmap_slots(backend, addr, 1) for addr in book.mapped_in(start))
-        if num_left:
-            log.error("%s backend: %d page(s) of the range at %#x could not be unmapped; it stays reserved",
-                      backend.name, num_left, start)
-            continue
-        backend.free_range(start)

@@ -42,10 +42,9 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from kvdaemon.cuda_vmm.address_book import AddressBook
+from kvdaemon.cuda_vmm.address_book import AddressBook, free_every_range
 from kvdaemon.cuda_vmm.backend import (
-    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer, free_every_range,
-    unmap_slots,
+    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer, unmap_slots,
 )
 from kvdaemon.cuda_vmm.device_view import address_view
 from kvdaemon.errors import BackendError

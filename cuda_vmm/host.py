@@ -55,10 +55,9 @@ from typing import TYPE_CHECKING
 import psutil
 
 from kvdaemon.cuda_vmm import host_copy
-from kvdaemon.cuda_vmm.address_book import AddressBook
+from kvdaemon.cuda_vmm.address_book import AddressBook, free_every_range
 from kvdaemon.cuda_vmm.backend import (
-    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer, free_every_range,
-    unmap_slots,
+    COPY_SLICE_BYTES, DEFAULT_PAGE_SIZE_BYTES, MemInfo, PhysicalPage, check_bulk_buffer, unmap_slots,
 )
 from kvdaemon.errors import BackendError
 
