@@ -89,7 +89,7 @@ class PoolCore:
         self.sleeping_allocator: BlockAllocator | None = None  # a warm sleeper's blocks
         self.max_bytes: int | None = lease.limit.get("max_bytes")
         self.old_stuck: set[int] = set()  # stuck logical pages of a daemon gone (the daemon now never granted them)
-        self.max_pages = self._pages_within(self.max_bytes)  # logical pages the known limit holds (``free``)
+        self.max_pages = self._max_pages(self.max_bytes)  # logical pages the known limit lets be mapped (``free``)
         self.limit_revision = limit_revision(lease.limit)  # of ``max_bytes``: an older report is ignored
         self.limit_lock = threading.Lock()  # a leaf, over the three fields above (``set_limit``)
         self.grow_wait_s: float | None = None  # None: the daemon's default; 0: refuse at once
@@ -140,7 +140,7 @@ class PoolCore:
     def stuck_changed(self) -> None:
         """Count the stuck pages against the limit: ``max_pages`` is what may be mapped. O(1)."""
         with self.limit_lock:
-            self.max_pages = self._pages_within(self.max_bytes) - self.num_stuck_counted()
+            self.max_pages = self._max_pages(self.max_bytes)
 
     def new_allocator(self) -> BlockAllocator:
         return BlockAllocator(self.num_virtual_pages, self.page_bytes, self.spec.block_bytes)
@@ -317,6 +317,11 @@ class PoolCore:
     def _pages_within(self, max_bytes: int | None) -> int:
         """Whole logical pages ``max_bytes`` holds (more than any pool maps when unknown)."""
         return self.num_virtual_pages + 1 if max_bytes is None else max_bytes // self.logical_page_bytes
+
+    def _max_pages(self, max_bytes: int | None) -> int:
+        """Logical pages ``max_bytes`` lets be mapped: what it holds less the stuck pages this
+        daemon counts. O(1)."""
+        return self._pages_within(max_bytes) - self.num_stuck_counted()
 
     def pages_over_limit(self) -> int:
         """Logical pages mapped past the known limit (0 when within it or unknown)."""
@@ -531,7 +536,6 @@ class PoolCore:
                 return False
             max_bytes = limit.get("max_bytes")
             if isinstance(max_bytes, int):
-                self.max_bytes = max_bytes
-                self.max_pages = self._pages_within(max_bytes) - self.num_stuck_counted()
+                self.max_bytes, self.max_pages = max_bytes, self._max_pages(max_bytes)
             self.limit_revision = revision
             return True

@@ -175,9 +175,8 @@ class Service:
             return reply_error(request_id, exc)
         except Exception as exc:  # one failing request must not end the daemon
             op = message.get("op")
-            kind = op if isinstance(op, str) and op in self._ops else "other"
-            self.warnings.warning(f"internal:{kind}:{type(exc).__name__}", "internal error serving a %s request: %r",
-                                  _op_name(op), exc, traceback=True)
+            self.warnings.warning(f"internal:{self._op_kind(op)}:{type(exc).__name__}",
+                                  "internal error serving a %s request: %r", _op_name(op), exc, traceback=True)
             return reply_error(request_id, KVDaemonError(f"internal error: {exc!r}"))
 
     def _note_refused(self, op: object, exc: KVDaemonError) -> None:
@@ -185,9 +184,13 @@ class Service:
         allowed or failing in the daemon: an operator sees a broken or probing client. The
         refusals of normal operation (no memory, over a limit, asleep, a conflict) are not logged."""
         if exc.code in LOGGED_REFUSALS:
-            kind = op if isinstance(op, str) and op in self._ops else "other"  # a peer's names make no new keys
-            self.warnings.warning(f"refused:{kind}:{exc.code}", "refused a %s request: %s %s", _op_name(op),
-                                  exc.code, exc.message[:200])
+            self.warnings.warning(f"refused:{self._op_kind(op)}:{exc.code}", "refused a %s request: %s %s",
+                                  _op_name(op), exc.code, exc.message[:200])
+
+    def _op_kind(self, op: object) -> str:
+        """``op`` as a log throttle's key names it: one of the daemon's ops, or ``other`` (a
+        peer's names make no new keys)."""
+        return op if isinstance(op, str) and op in self._ops else "other"
 
     # -- authentication --------------------------------------------------------
 

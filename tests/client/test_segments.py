@@ -30,8 +30,7 @@ def backend() -> Iterator[HostBackend]:
 
 
 def test_unmap_all_by_runs_unmaps_exactly_the_mapped_pages_and_maps_back(backend: HostBackend) -> None:
-    segments = SegmentMap(backend, num_segments=2, num_virtual_pages=16, page_bytes=PAGE)
-    segments.reserve()
+    segments = _reserved(backend)
     mapped = [0, 1, 2, 5, 7, 8, 15]  # three runs and two lone pages
     for i, lp in enumerate(mapped):
         pages = [backend.create_page(2 * i), backend.create_page(2 * i + 1)]
@@ -54,8 +53,7 @@ def test_unmap_all_by_runs_unmaps_exactly_the_mapped_pages_and_maps_back(backend
 
 
 def test_what_a_sleeper_holds_covers_its_pages_however_the_wake_places_them(backend: HostBackend) -> None:
-    segments = SegmentMap(backend, num_segments=2, num_virtual_pages=16, page_bytes=PAGE)
-    segments.reserve()
+    segments = _reserved(backend)
     for lp in range(4):  # each segment's pages follow each other in the file: the kernel merges them
         segments.map(lp, [backend.create_page(lp), backend.create_page(8 + lp)])
     assert backend._book.num_mappings == 2 * (4 + 1)  # counted apart, though the kernel merged them
@@ -82,9 +80,15 @@ def counting() -> Iterator[CountingBackend]:
     yield from _running(CountingBackend)
 
 
-def _mapped(backend: HostBackend, lps: list[int], num_segments: int = 2) -> SegmentMap:
+def _reserved(backend: HostBackend, num_segments: int = 2) -> SegmentMap:
+    """A segment map of 16 virtual pages a segment, its ranges reserved, nothing mapped."""
     segments = SegmentMap(backend, num_segments=num_segments, num_virtual_pages=16, page_bytes=PAGE)
     segments.reserve()
+    return segments
+
+
+def _mapped(backend: HostBackend, lps: list[int], num_segments: int = 2) -> SegmentMap:
+    segments = _reserved(backend, num_segments)
     for i, lp in enumerate(lps):
         segments.map(lp, [backend.create_page(num_segments * i + seg) for seg in range(num_segments)])
     return segments
@@ -118,8 +122,7 @@ def test_unmap_pages_of_a_page_not_mapped_raises_before_unmapping_anything(count
 def test_an_unmap_the_backend_refuses_half_way_maps_back_what_it_unmapped(
     backend: HostBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    segments = SegmentMap(backend, num_segments=2, num_virtual_pages=16, page_bytes=PAGE)
-    segments.reserve()
+    segments = _reserved(backend)
     mapped = [0, 1, 4, 5, 9]  # three runs, two segments: six unmaps
     for i, lp in enumerate(mapped):
         segments.map(lp, [backend.create_page(2 * i), backend.create_page(2 * i + 1)])
@@ -151,8 +154,7 @@ def test_an_unmap_the_backend_refuses_half_way_maps_back_what_it_unmapped(
 def test_a_map_whose_rollback_is_refused_leaves_the_page_stuck_until_it_can_be_unmapped(
     backend: HostBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    segments = SegmentMap(backend, num_segments=2, num_virtual_pages=16, page_bytes=PAGE)
-    segments.reserve()
+    segments = _reserved(backend)
     pages = {lp: [backend.create_page(2 * lp), backend.create_page(2 * lp + 1)] for lp in (3, 4, 5)}
     real_map_pages, real_unmap, calls = backend.map_pages, backend.unmap, [0]
     stuck_slot = segments.bases[0] + 4 * PAGE
@@ -186,8 +188,7 @@ def test_a_map_whose_rollback_is_refused_leaves_the_page_stuck_until_it_can_be_u
 def test_a_single_page_map_whose_rollback_is_refused_leaves_it_stuck(
     backend: HostBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    segments = SegmentMap(backend, num_segments=3, num_virtual_pages=16, page_bytes=PAGE)
-    segments.reserve()
+    segments = _reserved(backend, num_segments=3)
     pages = [backend.create_page(i) for i in range(3)]
     real_map_page, calls = backend.map_page, [0]
 

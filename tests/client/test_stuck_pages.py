@@ -35,6 +35,11 @@ def kvd() -> Iterator[RunningDaemon]:
         yield running
 
 
+def register(client: KVClient) -> KVPool:
+    """Tenant ``a``: no pages mapped ahead, spare ones kept (the agent returns none meanwhile)."""
+    return client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=8)
+
+
 def mapped_bytes(client: KVClient) -> int:
     return next(t for t in client.status()["tenants"] if t["name"] == "a")["mapped_bytes"]
 
@@ -80,7 +85,7 @@ def test_a_stuck_page_stays_the_pools_and_stops_its_grows_and_sleeps_until_it_ca
     kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = kvd.client()
-    pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=8)
+    pool = register(client)
     pool.quiesce_hook = lambda: None
     first = pool.alloc(1)  # logical page 0
     lp, slot = stick_a_page(pool, monkeypatch)
@@ -111,7 +116,7 @@ def test_a_stuck_page_counts_against_the_limit_on_the_fast_path(
     kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     client = kvd.client()
-    pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=8)
+    pool = register(client)
     pool.alloc(1)
     stick_a_page(pool, monkeypatch)
     client.set_limit("a", max_bytes=LOGICAL)  # one logical page: the stuck one puts the pool over it
@@ -126,7 +131,7 @@ def test_a_pool_closes_with_a_page_it_cannot_unmap(
     kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     client = kvd.client()
-    pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=8)
+    pool = register(client)
     pool.alloc(1)
     lp, slot = stick_a_page(pool, monkeypatch)
     refuse_unmaps_of(pool, monkeypatch, slot)
@@ -152,7 +157,7 @@ def moved_with_a_stuck_page(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[K
     daemons = [start_daemon(root)]
     client = KVClient(root)
     try:
-        pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=8)
+        pool = register(client)
         blocks = pool.alloc(1)
         pool.key_cache(0)[blocks] = 4.0
         lp, slot = stick_a_page(pool, monkeypatch)
@@ -215,7 +220,7 @@ def test_an_idle_pool_that_refuses_to_sleep_says_why_and_is_not_asked_again_at_o
 ) -> None:
     with running_daemon(f"{CAPACITY}B", idle_sleep_s=0.5) as kvd:
         client = kvd.client()
-        pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=8)
+        pool = register(client)
         pool.quiesce_hook = lambda: None
         pool.alloc(1)
         with caplog.at_level(logging.WARNING, logger="kvdaemon.sleep"):
@@ -235,7 +240,7 @@ def test_a_pool_whose_pages_the_os_will_not_unmap_at_its_close_ends_its_lease_an
     kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     client = kvd.client()
-    pool = client.register("a", SPEC, num_prefetch_pages=0, num_spare_pages=8)
+    pool = register(client)
     pool.alloc(2 * BLOCKS_PER_PAGE)  # two logical pages
     refuse_unmaps_of(pool, monkeypatch, None)
     with caplog.at_level(logging.ERROR, logger="kvdaemon.client.pool"):
