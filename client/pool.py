@@ -44,13 +44,14 @@ from kvdaemon.client.pool_agent import PoolAgent
 from kvdaemon.client.pool_core import PoolCore
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.client.spec import KVSpec
-from kvdaemon.errors import BackendError, BadRequest, NoReply, PoolClosed
+from kvdaemon.errors import BackendError, BadRequest, DaemonUnreachable, NoReply, PoolClosed, UnknownTenant
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("kvdaemon.client.pool")
 WAKE_WAIT_S = 60.0  # ``wake()`` waits this long for its pages before saying it is still on its way
+REJOIN_WAIT_S = 5.0  # ``wake()`` of a pool whose daemon restarted waits this long for it to re-join
 
 
 class KVPool:
@@ -463,29 +464,54 @@ class KVPool:
 
         A no-op when awake. Raises the daemon's error (``NoMemory``...), or
         ``NoReply`` if the pages did not arrive within ``WAKE_WAIT_S`` (the wake
-        goes on). Call without holding anything the agent needs.
+        goes on). Call without holding anything the agent needs. When the
+        daemon that put the pool to sleep is gone and another runs (it knows
+        no such tenant), the agent re-joins that one now and the pool wakes
+        empty (its warm copy died with the old daemon; a block loss), within
+        ``REJOIN_WAIT_S``, else ``DaemonUnreachable``.
         """
         core = self.core
         if not (core.state.asleep or core.state is PoolState.SLEEP_PENDING):
             self._check_open()
             return
         num_wakes = core.cell.num_wakes
-        core.lease.wake()
+        try:
+            core.lease.wake()
+        except UnknownTenant as exc:
+            self._wait_rejoined(exc)
+            return
         if not self.wait_woken(num_wakes, WAKE_WAIT_S):
             raise NoReply(f"pool {self.name!r}: the daemon woke it, its pages are still on their way")
         if core.state.ended:
             raise PoolClosed(f"pool {self.name!r} is {core.state.value}")
 
+    def _wait_rejoined(self, refusal: UnknownTenant) -> None:
+        """The daemon running now never registered this pool: its own is gone. Have the agent
+        re-join now (an asleep pool moves without its hooks: its engine holds no KV) and wait
+        for it; ``DaemonUnreachable`` when it has not within ``REJOIN_WAIT_S``."""
+        self.agent.nudge()
+        if not self.wait_state(lambda state: not state.asleep, REJOIN_WAIT_S):
+            raise DaemonUnreachable(
+                f"pool {self.name!r}: the daemon that put it to sleep is gone and the one running has not "
+                f"taken it back yet ({refusal.message}); it wakes empty once it has"
+            ) from refusal
+        self._check_open()
+
     def sleep(self, mode: str = "warm") -> dict[str, Any]:
         """Put this pool to sleep on its owner's word (no quiesce hook needed: the caller
-        promises not to touch the KV until it wakes). Returns once asleep."""
+        promises not to touch the KV until it wakes). Returns once asleep here too (or woken
+        again already: an engine's next step may wake it), within ``WAKE_WAIT_S``."""
         self._check_open()
-        lease = self.core.lease
+        core = self.core
+        lease, num_sleeps = core.lease, core.cell.num_sleeps
         channel = ControlChannel(lease.paths, lease.timeout_s)  # not the lease's: its agent answers on that
         try:
-            return channel.call("sleep", {"name": self.name, "mode": mode, "token": lease.token}, WAKE_WAIT_S)
+            result = channel.call("sleep", {"name": self.name, "mode": mode, "token": lease.token}, WAKE_WAIT_S)
         finally:
             channel.close()
+        if str(result.get("state", "")).startswith("sleeping"):  # the daemon's word lands here a moment later
+            self._wait_locked(lambda left: core.cell.wait_slept(num_sleeps, left), WAKE_WAIT_S)
+        return result
 
     def note_activity(self) -> None:
         """Tell the daemon (at the agent's next heartbeat) that the engine is busy, so idle

@@ -11,8 +11,9 @@ When a daemon answers on the same directory again, the agent (``try_reconnect``)
    never confirmed are forgotten with it;
 3. for each page and segment copies the bytes into the new page and swaps it
    in at the same address (``SegmentMap.move``), under the pool's lock and with
-   the engine held between steps (the quiesce and resume hooks), so block ids,
-   addresses and bytes are unchanged;
+   the engine held between steps (the quiesce and resume hooks; not for a pool
+   asleep, whose engine touches no KV and may be the one waiting in a wake for
+   this move), so block ids, addresses and bytes are unchanged;
 4. releases the old pages (the dead daemon's memory goes back to the OS).
 
 A pool asleep when its daemon died wakes empty (its warm copy died with the
@@ -110,7 +111,8 @@ def try_reconnect(
         return False
     unjoinable.instance = None
     listen(lease)  # its notices reach the agent (queued till the move ends; dropped if it fails)
-    if core.quiesce_hook is not None:
+    hooks = not core.state.asleep  # asleep, its engine holds no KV (and may be waiting in a wake)
+    if hooks and core.quiesce_hook is not None:
         core.quiesce_hook()
     try:
         with core.lock:
@@ -126,7 +128,7 @@ def try_reconnect(
         core.relink_error = exc.message
         return False
     finally:
-        if core.resume_hook is not None:
+        if hooks and core.resume_hook is not None:
             core.resume_hook()
     log.info("pool %s: re-registered with the new daemon, %d pages moved", core.name, len(core.segments.pages))
     return True

@@ -8,7 +8,9 @@ would take it: an ``Engine`` says so once it is built), and, with ``idle_s``,
 has gone ``idle_s`` seconds without its blocks changing (the status's
 ``idle_seconds``, counted from registration: an engine still loading its model
 looks idle; a slow engine's single step can too). Raises ``WaitTimeout``
-naming what is still missing.
+naming what is still missing, also when the daemon does not answer by the
+deadline (each ``status`` waits only for what is left of it, at least
+``MIN_ASK_S``): a stopped daemon holds the wait no longer than its timeout.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import time
 from typing import Any
 
 from kvdaemon.client import KVClient
-from kvdaemon.errors import WaitTimeout
+from kvdaemon.errors import NoReply, WaitTimeout
 
 POLL_S = 0.2
+MIN_ASK_S = 0.5  # the least a status is waited for, past the deadline too
 
 
 def wait_for_tenants(
@@ -34,7 +37,11 @@ def wait_for_tenants(
     started = time.monotonic()
     deadline = started + timeout_s
     while True:
-        rows = {str(t["name"]): t for t in client.status()["tenants"]}
+        try:
+            status = client.call("status", timeout_s=max(MIN_ASK_S, deadline - time.monotonic()))
+        except NoReply as exc:
+            raise WaitTimeout(f"after {timeout_s:g} s: the daemon did not answer ({exc.message})") from exc
+        rows = {str(t["name"]): t for t in status["tenants"]}
         pending = _pending(names, rows, idle_s, state, sleepable)
         now = time.monotonic()
         if not pending:

@@ -276,3 +276,77 @@ def test_a_pool_whose_name_is_taken_keeps_asking_and_joins_once_it_is_freed(
             assert holds(pool, blocks, 2.0)
         finally:
             other.close_all()
+
+
+def asleep_pool_after_restart(root: Path, client: KVClient, daemons: list[subprocess.Popen[bytes]]) -> tuple[
+        KVPool, threading.Event, list[str]]:
+    """A pool put to sleep warm, its daemon SIGKILLed and another started; its re-join held
+    back until the returned gate is set. Also returns the engine hook calls seen."""
+    pool = client.register("sleepy", SPEC, num_prefetch_pages=0)
+    written(pool, pool.alloc(BLOCKS_PER_PAGE), 3.0)
+    pool.sleep("warm")
+    assert pool.sleep_mode == "warm"
+    hooks: list[str] = []
+    pool.quiesce_hook = lambda: hooks.append("quiesce")
+    pool.resume_hook = lambda: hooks.append("resume")
+    gate = threading.Event()
+    counting_refusals(pool, gate)
+    os.kill(daemons[0].pid, signal.SIGKILL)
+    daemons[0].wait(10)
+    wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
+    daemons.append(start_daemon(root))
+    return pool, gate, hooks
+
+
+def test_a_pool_asleep_when_its_daemon_restarted_wakes_empty_on_a_wake(root: Path) -> None:
+    daemons = [start_daemon(root)]
+    client = KVClient(root)
+    try:
+        pool, gate, hooks = asleep_pool_after_restart(root, client, daemons)
+        asking = pool.lease.wake
+
+        def wake_then_let_it_rejoin() -> dict[str, object]:
+            try:
+                return asking()  # the new daemon never registered it
+            finally:
+                gate.set()
+
+        pool.lease.wake = wake_then_let_it_rejoin  # type: ignore[method-assign]
+        pool.wake()  # re-joined within the call: awake, empty
+        assert pool.sleep_mode is None and pool.state.name == "ACTIVE"
+        assert pool.num_block_losses == 1 and pool.num_used_blocks == 0
+        assert hooks == []  # an asleep pool's engine holds no KV: it is not held for the move
+        rows = tenant_rows(client)
+        assert rows is not None and rows["sleepy"]["state"] == "active"
+        again = pool.alloc(BLOCKS_PER_PAGE)
+        written(pool, again, 4.0)
+        assert holds(pool, again, 4.0)
+        pool.close()
+    finally:
+        for proc in daemons:
+            if proc.poll() is None:
+                proc.kill()
+        client.close()
+
+
+def test_a_wake_says_the_daemon_is_unreachable_while_the_pool_cannot_rejoin(
+    root: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("kvdaemon.client.pool.REJOIN_WAIT_S", 0.3)
+    daemons = [start_daemon(root)]
+    client = KVClient(root)
+    try:
+        pool, gate, _ = asleep_pool_after_restart(root, client, daemons)
+        with pytest.raises(DaemonUnreachable, match="the daemon that put it to sleep is gone"):
+            pool.wake()  # the engines' wakes take this as "not yet" and step on
+        assert pool.sleep_mode == "warm"
+        gate.set()
+        wait_until(lambda: pool.sleep_mode is None, 15, "the pool never re-joined")
+        pool.wake()  # a no-op now
+        assert pool.num_block_losses == 1
+        pool.close()
+    finally:
+        for proc in daemons:
+            if proc.poll() is None:
+                proc.kill()
+        client.close()

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from kvdaemon.client import KVClient, KVPool, PoolExhausted  # noqa: E402
 from kvdaemon.client.local_pool import LocalPool  # noqa: E402
-from kvdaemon.errors import BadRequest  # noqa: E402
+from kvdaemon.errors import BadRequest, DaemonUnreachable  # noqa: E402
 from kvdaemon.integrations import hf_attention, stall_watch  # noqa: E402
 from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
 
@@ -443,6 +443,50 @@ def test_an_engine_serves_through_a_daemon_restart(model: Any) -> None:
     finally:
         for proc in (first, second):
             if proc is not None and proc.poll() is None:
+                proc.kill()
+        client.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_an_engine_asleep_through_a_daemon_restart_recomputes_and_finishes(model: Any) -> None:
+    root = short_dir()
+    daemons = [start_daemon(root)]
+    client = KVClient(root)
+    try:
+        pool = client.register("asleep", kv_spec_for(model, BLOCK), num_prefetch_pages=0)
+        engine = Engine(model, pool)
+        prompts = random_prompts([25, 11], seed=12)
+        requests = [engine.add_request(p, NEW) for p in prompts]
+        for _ in range(3):
+            engine.step()
+        client.sleep(pool.name, mode="warm")  # its warm copy lives in the daemon about to die
+        asked, relink, wake = threading.Event(), pool.agent.relink, pool.lease.wake
+
+        def held_relink() -> Any:  # the pool re-joins only once the engine's wake asked the new daemon
+            if not asked.is_set():
+                raise DaemonUnreachable("held back by the test")
+            return relink()
+
+        def asking_wake() -> Any:
+            try:
+                return wake()
+            finally:
+                asked.set()
+
+        pool.agent.relink, pool.lease.wake = held_relink, asking_wake
+        os.kill(daemons[0].pid, signal.SIGKILL)
+        daemons[0].wait(10)
+        wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
+        daemons.append(start_daemon(root))
+        while engine.has_unfinished:
+            engine.step()  # the first wakes it: the new daemon knew no such tenant; it re-joins, empty
+        assert asked.is_set() and pool.num_block_losses == 1 and engine.num_preemptions == len(prompts)
+        assert [r.output_ids for r in requests] == reference_outputs(model, prompts, NEW)
+        engine.close()
+        pool.close()
+    finally:
+        for proc in daemons:
+            if proc.poll() is None:
                 proc.kill()
         client.close()
         shutil.rmtree(root, ignore_errors=True)

@@ -87,6 +87,17 @@ def test_a_stopped_daemon_process_is_running_but_not_answering(cli: Cli) -> None
     assert alive(pid)
 
 
+def test_wait_on_a_stopped_daemon_times_out_at_its_own_timeout(cli: Cli) -> None:
+    pid = cli.started_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        done = cli.run("wait", "someone", "--timeout", "1")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert done.returncode == 5  # its timeout, not the status call's (which would say 4: not answering)
+    assert "after 1 s: the daemon did not answer" in done.stderr
+
+
 def test_stop_leaves_a_stale_pid_alone(cli: Cli) -> None:
     """A lock holder whose pid file names another process: that process is never signalled."""
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
