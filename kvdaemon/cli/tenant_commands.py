@@ -149,7 +149,7 @@ def limit_result(
                         "nothing; what it maps it gives back")  # fmt: skip
     return {
         "name": name, "registered": bool(applied.get("registered")),
-        "revision": applied.get("revision"),
+        "revision": applied.get("revision"), "changed": bool(applied.get("changed", True)),
         "max_bytes": max_bytes, "min_bytes": limits.get("min_bytes"),
         "weight": limits.get("weight"),
         "over_limit_bytes": None if row is None else status_view.owed_bytes(row),
@@ -170,7 +170,8 @@ def limit_text(result: dict[str, Any]) -> str:
     else:
         head = (f"{name}: limit {format_bytes(result['max_bytes'])}, min "
                 f"{format_bytes(result['min_bytes'])}, weight {result['weight']:g} "
-                f"(revision {result['revision']}; {policy})")  # fmt: skip
+                f"(revision {result['revision']}{'' if result['changed'] else ', unchanged'}; "
+                f"{policy})")  # fmt: skip
     lines = [head]
     lines.extend(f"{name}: {describe_clamp(clamp)}" for clamp in result["clamped"])
     lines.extend(f"{name}: {warning}" for warning in result["warnings"])

@@ -9,7 +9,8 @@ capacity, bytes, or ``none`` to remove it), ``max_bytes``/``min_bytes``
 set). With the tenant's ``token`` it changes the tenant's own request instead
 (bytes only), still bounded by the policy; nothing is kept then.
 
-A registered tenant's limits change by revision R (default: the current + 1):
+A registered tenant's limits change by revision R (default: the current + 1, or
+the current when the limits asked are the ones it has: nothing changes, nothing is told):
 
 - R newer than the tenant's: applied, R becomes current;
 - R equal with the same limits: applied again, nothing changes (idempotent retry);
@@ -76,6 +77,8 @@ def plan_limit(
     """Check ``limits`` for ``tenant`` at ``revision`` (module docstring); raise, or return
     the plan."""
     if revision is None:
+        if limits == tenant.current_limits():  # a change to what holds: nothing to apply, no revision spent
+            return LimitPlan(tenant, limits, tenant.limit_revision, changed=False)
         revision = tenant.limit_revision + 1
     if revision > MAX_REVISION:
         raise BadRequest(f"{tenant.name!r} is at revision {tenant.limit_revision}, the last there is")
@@ -299,6 +302,9 @@ class Limiter:
                 log.info("limits of %s set %s: %s (was %s; revision %d)%s%s%s", tenant.name, by,
                          describe_limits(plan.limits), describe_limits(before), plan.revision,
                          _clamps(bounded), _owing(tenant), _unlogged(tenant))  # fmt: skip
+        elif by != BY_OWNER:  # the operator's word is always logged, also when it changes no limit
+            log.info("limits of %s unchanged %s: %s (revision %d)%s%s", tenant.name, by,
+                     describe_limits(plan.limits), plan.revision, _clamps(bounded), _unlogged(tenant))
         report = self._report(tenant.name, bounded, registered=True)
         return {"result": "applied", "registered": True, "revision": plan.revision,
                 "changed": plan.changed, **report}  # fmt: skip

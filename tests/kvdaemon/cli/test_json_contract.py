@@ -81,11 +81,14 @@ def test_tenant_commands_json_and_idempotence(cli: Cli) -> None:
 
         limited = json_of(cli.run("limit", "llama-a", "--max", "50%", "--weight", "2", "--json"))
         assert limited == {
-            "name": "llama-a", "registered": True, "revision": 1, "max_bytes": 32 * MiB,
+            "name": "llama-a", "registered": True, "revision": 1, "changed": True, "max_bytes": 32 * MiB,
             "min_bytes": 0, "weight": 2.0, "over_limit_bytes": 0,
             "policy": {"max": "50%", "min": None, "weight": 2.0}, "clamped": [], "warnings": [],
             "logical_page_bytes": 4 * MiB,
         }  # fmt: skip
+        again = json_of(cli.run("limit", "llama-a", "--max", "50%", "--json"))  # what it has: no revision spent
+        assert again == {**limited, "changed": False}
+        assert "(revision 1, unchanged; policy" in cli.run("limit", "llama-a", "--weight", "2").stdout
 
         slept = json_of(cli.run("sleep", "llama-a", "--json"))
         assert slept == {"name": "llama-a", "state": "sleeping-warm", "changed": True,

@@ -38,7 +38,7 @@ def test_policies_before_registration_across_a_restart_and_against_the_config(
     assert cli.start("--config", str(config)).returncode == 0
     stored = json_of(cli.run("limit", "qwen-b", "--max", "25%", "--json"))
     assert stored == {
-        "name": "qwen-b", "registered": False, "revision": None, "max_bytes": None,
+        "name": "qwen-b", "registered": False, "revision": None, "changed": True, "max_bytes": None,
         "min_bytes": None, "weight": None, "over_limit_bytes": None,
         "policy": {"max": "25%", "min": None, "weight": None}, "clamped": [], "warnings": [],
         "logical_page_bytes": None,

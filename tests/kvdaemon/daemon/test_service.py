@@ -217,6 +217,16 @@ def test_set_limit_revisions(h: Harness) -> None:
     assert [n["args"]["revision"] for _, n in h.leases.notices if n["notice"] == "limit"] == [5, 6]
 
 
+def test_a_limit_that_changes_nothing_spends_no_revision(h: Harness) -> None:
+    h.register("a")
+    assert h.ok("set_limit", name="a", max_bytes=8 * PAGE_BYTES)["revision"] == 1
+    again = h.ok("set_limit", name="a", max_bytes=8 * PAGE_BYTES)
+    assert (again["revision"], again["changed"]) == (1, False)
+    assert h.ok("set_limit", name="a", max="none")["changed"] is True  # the tenant's own max again
+    assert h.ok("set_limit", name="a", max="none")["revision"] == 2
+    assert [n["args"]["revision"] for _, n in h.leases.notices if n["notice"] == "limit"] == [1, 2]
+
+
 def test_a_limit_revision_always_has_a_next_on_the_wire(h: Harness) -> None:
     reg = h.register("a")
     last = limits.MAX_REVISION
