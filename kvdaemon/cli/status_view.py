@@ -5,7 +5,7 @@ Takes the status object (what ``KVClient.status()`` returns; README "status
 uptime, backend, device; the pool: capacity, free, page, tenants), one table
 row per tenant (state in words, sizes in at most six characters), then a note
 per tenant that needs attention: over its limit and what it still owes, grows
-refused, short of memory now beside its fair share, an active tenant that
+refused (the last within a minute), short of memory now beside its fair share, an active tenant that
 cannot be slept; and the operator's policies
 (``kvdaemon limit``, the config file's ``[tenants]``), with the names not
 registered yet. Pure apart from writing to the given console; O(tenants).
@@ -23,6 +23,7 @@ from rich.text import Text
 from kvdaemon.wire.sizes import format_bytes, format_bytes_short
 
 SILENT_S = 15.0  # three of a pool's idle heartbeats missed (``pool_agent.IDLE_HEARTBEAT_S``)
+REFUSED_LATELY_S = 60.0  # a tenant's refused grows are noted while the last is this recent
 COLUMNS = ("name", "pid", "state", "mapped", "in use", "limit", "min", "weight", "idle")
 NUMERIC = {"pid", "mapped", "in use", "limit", "min", "weight", "idle"}
 NAME_WIDTH = 16  # the least a name gets: the other columns fit 80 columns beside it
@@ -148,8 +149,9 @@ def tenant_notes(tenant: dict[str, Any]) -> list[str]:
         limit = format_bytes(int(tenant["max_bytes"]))
         notes.append(f"owes {format_bytes(owed)} over its {limit} limit")
     refused = int(tenant.get("refused_grows", 0))
-    if refused:
-        notes.append(f"{refused} grow(s) refused")
+    if refused and refused_lately(tenant):
+        ago = tenant.get("refused_seconds_ago")
+        notes.append(f"{refused} grow(s) refused" + ("" if ago is None else f", the last {format_duration(ago)} ago"))
     if tenant.get("short") is True and tenant.get("fair_bytes") is not None:
         notes.append(f"short of memory now ({format_bytes(int(tenant['mapped_bytes']))} held, "
                      f"fair share {format_bytes(int(tenant['fair_bytes']))})")
@@ -164,6 +166,13 @@ def tenant_notes(tenant: dict[str, Any]) -> list[str]:
         silent = format_duration(float(tenant["silent_seconds"]))
         notes.append(f"silent for {silent} (pools tell the daemon every 5 s): stopped or hung?")
     return notes
+
+
+def refused_lately(tenant: dict[str, Any]) -> bool:
+    """A grow of it was refused within ``REFUSED_LATELY_S`` (a daemon that does not say when:
+    whenever one was): what needs attention now, not a count from long ago."""
+    ago = tenant.get("refused_seconds_ago")
+    return int(tenant.get("refused_grows", 0)) > 0 and (ago is None or float(ago) < REFUSED_LATELY_S)
 
 
 def is_silent(tenant: dict[str, Any]) -> bool:

@@ -26,7 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kvdaemon.cli.status_view import (
-    SILENT_S, cannot_sleep, fits_unicode, format_duration, is_silent, name_width, owed_bytes, state_words,
+    SILENT_S, cannot_sleep, fits_unicode, format_duration, is_silent, name_width, owed_bytes, refused_lately,
+    state_words,
 )  # fmt: skip
 from kvdaemon.wire.sizes import format_bytes, format_bytes_short
 
@@ -169,7 +170,8 @@ def tenant_table(
             usage_bar(mapped, capacity if limit is None else int(limit), width=ROW_BAR_WIDTH, unicode=unicode),
             format_duration(float(tenant["idle_seconds"])),
             Text(format_bytes_short(owed), style="bold red") if owed else Text("-", style="dim"),
-            Text(str(refused), style="yellow") if refused else Text("-", style="dim"),
+            Text(str(refused), style="yellow" if refused_lately(tenant) else "") if refused
+            else Text("-", style="dim"),
         )
     return table
 

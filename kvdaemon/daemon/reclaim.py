@@ -244,7 +244,7 @@ class Reclaimer:
         except NoMemory as exc:
             assert tenant is not None
             if now - parked.parked_at >= parked.wait_s:
-                tenant.note_refused(exc.code, parked.min_pages, self.pages.free_bytes)
+                tenant.note_refused(exc.code, parked.min_pages, self.pages.free_bytes, now)
                 parked.waiter.fail(exc)
                 return True
             self.shares.starve(tenant, now)  # still short while it waits, however long past STARVED_S

@@ -352,7 +352,7 @@ class Service:
             return self.grants.grow(tenant, candidates, min_pages, now, ahead)
         except OverLimit as exc:
             if not ahead:
-                tenant.note_refused(exc.code, min_pages, self.pages.free_bytes)
+                tenant.note_refused(exc.code, min_pages, self.pages.free_bytes, now)
             raise
         except NoMemory as exc:
             if ahead:
@@ -360,7 +360,7 @@ class Service:
             waiter = call.defer()
             if self.reclaimer.park(tenant, candidates, min_pages, waiter, wait_s, now):
                 return waiter  # answered by ``tick`` once pages come back, or NO_MEMORY
-            tenant.note_refused(exc.code, min_pages, self.pages.free_bytes)
+            tenant.note_refused(exc.code, min_pages, self.pages.free_bytes, now)
             raise
 
     def op_shrink(self, args: Args, _call: Call) -> dict[str, Any]:
@@ -379,9 +379,9 @@ class Service:
         if args.has("sleepable"):
             tenant.sleepable = args.bool("sleepable")
         num_refused = args.int("refused_grows", 0, MAX_INT, default=0)
-        if num_refused:  # its pool refused these itself, knowing its limit: no round trip came
-            tenant.note_refused_by_pool(num_refused)
         page_bytes, now = self.pages.page_size_bytes, self.clock()
+        if num_refused:  # its pool refused these itself, knowing its limit: no round trip came
+            tenant.note_refused_by_pool(num_refused, now)
         return {"state": tenant.state.value, "max_bytes": tenant.max_bytes, "free_bytes": self.pages.free_bytes,
                 "fair_bytes": self.shares.fair_pages(tenant) * page_bytes,
                 "ahead_bytes": self.shares.free_for_ahead(tenant, self.pages.num_free, now) * page_bytes,

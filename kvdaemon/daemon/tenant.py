@@ -169,6 +169,7 @@ class Tenant:
     num_grown_pages: int = 0  # logical pages granted by grows, ever
     num_shrunk_pages: int = 0  # logical pages given back by shrinks, ever
     last_refusal: str = ""  # why the last grow was refused, in words
+    refused_at: float | None = None  # when a grow was last refused (the service's clock)
     own: OwnLimits | None = None  # what it asked for itself; default: the limits it has
     own_limit_logged_at: float = float("-inf")  # its last own limit change logged (monotonic)
     num_own_limits_unlogged: int = 0  # its own changes since then, told with the next line
@@ -233,9 +234,10 @@ class Tenant:
         self.num_shrunk_pages += num_pages
         self.debt.give(num_pages)
 
-    def note_refused(self, code: str, num_pages: int, free_bytes: int) -> None:
+    def note_refused(self, code: str, num_pages: int, free_bytes: int, now: float) -> None:
         """A grow of ``num_pages`` logical pages (its minimum) was refused with ``code``."""
         self.num_refused_grows += 1
+        self.refused_at = now
         wanted = format_bytes(num_pages * self.logical_page_bytes)
         if code == "OVER_LIMIT":
             why = f"{format_bytes(self.mapped_bytes)} mapped, limit {format_bytes(self.max_bytes)}"
@@ -243,12 +245,13 @@ class Tenant:
             why = f"{format_bytes(free_bytes)} free in the pool"
         self.last_refusal = f"a grow of {wanted} refused ({code}: {why})"
 
-    def note_refused_by_pool(self, num_grows: int) -> None:
+    def note_refused_by_pool(self, num_grows: int, now: float) -> None:
         """``num_grows`` grows its pool refused itself, past the limit it was told (a heartbeat
-        says so): counted with the daemon's own refusals."""
+        says so, at most a second late): counted with the daemon's own refusals."""
         self.num_refused_grows = min(self.num_refused_grows + num_grows, MAX_INT)  # status must encode
-        self.last_refusal = (f"{num_grows} grow(s) refused by its pool, past its limit "
-                             f"({format_bytes(self.mapped_bytes)} mapped, limit {format_bytes(self.max_bytes)})")
+        self.refused_at = now
+        self.last_refusal = (f"{num_grows} grow(s) refused by its pool, past the limit it knew then "
+                             f"(limit now {format_bytes(self.max_bytes)}, {format_bytes(self.mapped_bytes)} mapped)")
 
     def current_limits(self) -> Limits:
         return Limits(self.max_bytes, self.min_bytes, self.weight)
@@ -277,6 +280,7 @@ class Tenant:
             "registered_at": round(self.registered_wall, 3),
             "peak_mapped_bytes": self.peak_mapped_bytes,
             "refused_grows": self.num_refused_grows,
+            "refused_seconds_ago": None if self.refused_at is None else round(max(0.0, now - self.refused_at), 3),
             "sleeps": self.num_sleeps,
             "over_limit_bytes": max(0, self.mapped_bytes - self.max_bytes),
             "sleepable": self.sleepable,

@@ -110,6 +110,10 @@ def test_a_tenant_that_needs_attention_gets_a_note() -> None:
         "cannot be slept (no quiesce hook)",
     ]
     assert status_view.owed_bytes(over) == 1024 * MiB
+    recent = make_tenant(name="recent", refused_grows=5, refused_seconds_ago=4.2, sleepable=True)
+    long_ago = make_tenant(name="long-ago", refused_grows=1216, refused_seconds_ago=600.0, sleepable=True)
+    notes = [line for line in rendered(make_status([recent, long_ago])).splitlines() if "refused" in line]
+    assert notes == ["recent: 5 grow(s) refused, the last 4s ago"]  # one from ten minutes ago needs no note
     assert status_view.owed_bytes(make_tenant(mapped_bytes=3072 * MiB, max_bytes=2048 * MiB)) == 1024 * MiB
     assert status_view.owed_bytes(make_tenant(max_bytes=None)) == 0
 

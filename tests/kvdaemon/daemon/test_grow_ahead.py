@@ -82,11 +82,13 @@ def test_no_grow_ahead_while_a_grow_is_parked(h: Harness) -> None:
 def test_grows_a_pool_refused_itself_are_counted_from_its_heartbeat(h: Harness) -> None:
     tok = h.register("a", max_bytes=2 * NUM_SEGMENTS * h.service.pages.page_size_bytes)["token"]
     h.ok("heartbeat", **h.auth("a", tok))
-    assert row(h, "a")["refused_grows"] == 0
+    assert (row(h, "a")["refused_grows"], row(h, "a")["refused_seconds_ago"]) == (0, None)
     h.ok("heartbeat", **h.auth("a", tok, refused_grows=3))
     tenant = h.service.tenants.named("a")
-    assert row(h, "a")["refused_grows"] == 3
-    assert tenant.last_refusal == "3 grow(s) refused by its pool, past its limit (0 B mapped, limit 8.00 MiB)"
+    h.clock.advance(7.5)
+    assert (row(h, "a")["refused_grows"], row(h, "a")["refused_seconds_ago"]) == (3, 7.5)
+    assert tenant.last_refusal == ("3 grow(s) refused by its pool, past the limit it knew then (limit now 8.00 MiB, "
+                                  "0 B mapped)")
     for bad in (-1, "3", 1.5, 1 << 63):
         assert h.error("heartbeat", **h.auth("a", tok, refused_grows=bad)) == "BAD_REQUEST"
     assert row(h, "a")["refused_grows"] == 3

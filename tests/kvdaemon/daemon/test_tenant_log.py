@@ -74,8 +74,11 @@ def test_a_limit_change_says_who_what_and_what_is_owed(h: Harness, caplog: pytes
         "limits of a set by an admin: max 2.00 MiB, min 0 B, weight 3 (was max 32.0 MiB, min 0 B, "
         "weight 1; revision 1); 10.0 MiB over it, asked back"
     ))]  # fmt: skip
-    h.ok("set_limit", name="a", token=reg["token"], max_bytes=64 * MiB)
-    assert lines(caplog)[0][1].startswith("limits of a set by the tenant itself: max 2.00 MiB")
+    caplog.clear()
+    h.ok("set_limit", name="a", token=reg["token"], max_bytes=64 * MiB)  # the policy's 2 MiB still binds
+    assert lines(caplog) == []
+    h.ok("set_limit", name="a", token=reg["token"], max_bytes=MiB)
+    assert lines(caplog)[0][1].startswith("limits of a set by the tenant itself: max 1.00 MiB")
 
 
 def test_grows_and_shrinks_are_summarised_at_most_every_10_s(
