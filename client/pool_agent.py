@@ -275,9 +275,8 @@ class PoolAgent:
         core = self.core
         if core.state.ended:
             return
-        if core.lease.lost.is_set():
-            self._detached()
-            return
+        if core.lease.lost.is_set() and not self._detached():
+            return  # else re-joined: it tells the new daemon at once what it holds and whether it can sleep
         with core.lock:
             if core.state is PoolState.ACTIVE:
                 core.adopt_late_grants()
@@ -354,8 +353,9 @@ class PoolAgent:
         if hook is not None and missing > 0 and working and core.state is PoolState.ACTIVE:
             hook(missing)
 
-    def _detached(self) -> None:
-        """The daemon is gone: keep serving what is mapped; move to a new daemon once one answers."""
+    def _detached(self) -> bool:
+        """The daemon is gone: keep serving what is mapped; move to a new daemon once one answers
+        (True once it has)."""
         core = self.core
         with core.lock:
             if core.state is PoolState.ACTIVE:
@@ -364,3 +364,5 @@ class PoolAgent:
         if self.relink is not None and try_reconnect(core, self.relink, self.listen, self.unjoinable):
             self._reported = None  # tell the new daemon what we hold and whether we can sleep
             self.daemon_clock_offset_s = None  # the new daemon's clock is placed at its first heartbeat
+            return True
+        return False

@@ -130,7 +130,8 @@ def try_reconnect(
     finally:
         if hooks and core.resume_hook is not None:
             core.resume_hook()
-    log.info("pool %s: re-registered with the new daemon, %d pages moved", core.name, len(core.segments.pages))
+    log.warning("pool %s: re-joined the daemon at %s, %d logical page(s) moved", core.name, paths.root,
+                len(core.segments.pages))  # as loud as the warning that it was gone
     return True
 
 

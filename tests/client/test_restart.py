@@ -350,3 +350,19 @@ def test_a_wake_says_the_daemon_is_unreachable_while_the_pool_cannot_rejoin(
             if proc.poll() is None:
                 proc.kill()
         client.close()
+
+
+def test_a_pool_tells_the_daemon_it_rejoined_that_it_can_sleep_at_once(
+    root: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("kvdaemon.client.pool_agent.HEARTBEAT_S", 60.0)  # no tick comes meanwhile
+    with detached_pool(root, "a", BLOCKS_PER_PAGE, 2.0) as (client, pool, _, daemons):
+        pool.quiesce_hook = lambda: None  # an engine that can be held: sleepable
+        daemons.append(start_daemon(root))
+        pool.agent.nudge()  # the re-join, and the report with it
+
+        def told() -> bool:
+            rows = tenant_rows(client)
+            return rows is not None and "a" in rows and rows["a"]["sleepable"] is True
+
+        wait_until(told, 15, "the new daemon heard whether it can sleep only at the next heartbeat")
