@@ -138,6 +138,7 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
     pid = detach.start_detached(config)
     with reach.talking(config.dir) as client:
         info = client.hello()
+        warnings = [str(w) for w in client.status().get("warnings", [])]  # what its policies cannot give
     wanted, capacity = config.capacity.exact_bytes, format_bytes(info["capacity_bytes"])
     result = {
         "dir": str(config.dir), "pid": pid, "version": info.get("daemon_version"),
@@ -146,6 +147,7 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
         "log_file": str(config.log_file or config.paths.log_file),
         "metrics_address": config.metrics_address,
         "metrics_url": f"http://{config.metrics_address}/metrics" if config.metrics_address else None,
+        "warnings": warnings,
     }  # fmt: skip
     rounded = ""
     if wanted is not None and wanted != info["capacity_bytes"]:
@@ -154,10 +156,10 @@ def start(dir_flag: Path | None, config_file: Path | None, as_json: bool, foregr
             asked, capacity = f"{wanted} B", f"{capacity} ({info['capacity_bytes']} B)"
         rounded = f"; the {asked} asked, rounded down to whole {format_bytes(info['page_size'])} pages"
     metrics = f", metrics http://{config.metrics_address}/metrics" if config.metrics_port else ""
-    emit(as_json, result, (
+    emit(as_json, result, "\n".join([
         f"kvdaemon running at {config.dir} (pid {pid}, backend {info['backend']}, capacity {capacity}{rounded}"
-        f"{metrics})"
-    ))  # fmt: skip
+        f"{metrics})", *(f"warning: {warning}" for warning in warnings),
+    ]))  # fmt: skip
 
 
 STOP_STATUSES = (

@@ -8,7 +8,7 @@ per tenant that needs attention: over its limit and what it still owes, grows
 refused (the last within a minute), short of memory now beside its fair share, an active tenant that
 cannot be slept; and the operator's policies
 (``kvdaemon limit``, the config file's ``[tenants]``), with the names not
-registered yet. Pure apart from writing to the given console; O(tenants).
+registered yet, then what they cannot give (``warnings``). Pure apart from writing to the given console; O(tenants).
 """
 
 from __future__ import annotations
@@ -236,3 +236,5 @@ def render(console: Console, dir: Path, status: dict[str, Any], num_registered: 
         waiting = "" if policy.get("registered") else "; not registered (applied when it registers)"
         line = f"  {policy['name']}: {describe_policy(policy, status['capacity_bytes'])}{waiting}"
         console.print(Text(line), highlight=False)
+    for warning in status.get("warnings") or []:
+        console.print(Text(f"warning: {warning}"), highlight=False)

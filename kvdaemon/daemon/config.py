@@ -251,7 +251,8 @@ def _parse_from(source: str, parse: Callable[[Any], Any], raw: Any) -> Any:
         return parse(raw)
     except ConfigError as err:
         shown = repr(raw) if len(repr(raw)) <= 80 else repr(raw)[:77] + "..."  # a whole table can be long
-        given = "" if str(raw) in err.message else f" (given {shown})"
+        named = isinstance(raw, (dict, list)) or str(raw) in err.message  # a table's message names its entry
+        given = "" if named else f" (given {shown})"
         raise ConfigError(f"{source}: {err.message}{given}") from err
 
 
@@ -269,7 +270,7 @@ def _read_toml(file: Path) -> tuple[dict[str, tuple[str, Any]], Any]:
     except UnicodeDecodeError as err:  # TOML is UTF-8 text
         raise ConfigError(f"config file {file} is not valid TOML: not UTF-8 text (byte {err.start})") from err
     tenants = table.pop("tenants", None)
-    values_by_key = _normalised(table, f"config file {file}: key")
+    values_by_key = _normalised(table, f"config file {file}: key", " and the [tenants] table")
     for key in PATH_KEYS & values_by_key.keys():
         spelling, raw = values_by_key[key]
         if isinstance(raw, str) and raw and not raw.startswith(("/", "~")):
@@ -277,7 +278,7 @@ def _read_toml(file: Path) -> tuple[dict[str, tuple[str, Any]], Any]:
     return values_by_key, tenants
 
 
-def _normalised(given: Mapping[str, Any], what: str) -> dict[str, tuple[str, Any]]:
+def _normalised(given: Mapping[str, Any], what: str, more_known: str = "") -> dict[str, tuple[str, Any]]:
     """``given`` keyed by the spelling of ``KEYS`` (``page_size`` -> ``page-size``),
     each with its own spelling. Raises ``ConfigError`` for an unknown key or one
     given in both spellings."""
@@ -285,7 +286,8 @@ def _normalised(given: Mapping[str, Any], what: str) -> dict[str, tuple[str, Any
     for key, value in given.items():
         name = key.replace("_", "-")
         if name not in KEYS:
-            raise ConfigError(f"{what} {key!r} is unknown; known are {', '.join(KEYS)}")
+            raise ConfigError(f"{what} {key!r} is unknown; known are {', '.join(KEYS)}{more_known} "
+                              "(a dash or an underscore between words)")
         if name in out:
             raise ConfigError(f"{what} {name!r} is given twice, as {out[name][0]} and {key}")
         out[name] = (key, value)

@@ -114,8 +114,9 @@ class Daemon:
             self.metrics.start()
         idle = "off" if cfg.idle_sleep_s is None else f"{cfg.idle_mode} after {cfg.idle_sleep_s:g} s"
         log.info(
-            "kvdaemon serving at %s: backend %s, %d pages of %d bytes; idle sleep %s; reclaim %s idle tenants",
-            self.paths.root, kind, num_pages, cfg.page_size_bytes, idle,
+            "kvdaemon serving at %s: backend %s, %d pages of %s (%s); idle sleep %s; reclaim %s idle tenants",
+            self.paths.root, kind, num_pages, format_bytes(cfg.page_size_bytes),
+            format_bytes(num_pages * cfg.page_size_bytes), idle,
             "may sleep" if cfg.reclaim_sleep else "never sleeps",
         )
         _warn_map_cap(backend, num_pages)

@@ -1,4 +1,5 @@
-"""The ``status`` object: the pool, its counters and settings, a row per tenant, the policies.
+"""The ``status`` object: the pool, its counters and settings, a row per tenant, the policies
+and what they cannot give (``warnings``).
 
 Built on the service loop under its lock (``Service.status``), from what the
 service holds; nothing here changes state. The device's own free memory is
@@ -20,6 +21,7 @@ from kvdaemon import __version__
 from kvdaemon.cuda_vmm.backend import Backend
 from kvdaemon.daemon.config import DaemonConfig
 from kvdaemon.daemon.device_pages import DevicePages
+from kvdaemon.daemon.limits import Limiter
 from kvdaemon.daemon.log_throttle import LogThrottle
 from kvdaemon.daemon.policy_book import PolicyBook
 from kvdaemon.daemon.quarantine import Quarantine
@@ -43,6 +45,7 @@ class StatusSource(Protocol):
     sleeper: Sleeper
     quarantine: Quarantine
     policies: PolicyBook
+    limiter: Limiter
     warnings: LogThrottle
     started_at: float
     num_never_attached: int
@@ -72,6 +75,7 @@ def build(service: StatusSource) -> dict[str, Any]:
         "settings": settings(service),
         "tenants": tenants,
         "policies": service.policies.rows(t["name"] for t in tenants),
+        "warnings": service.limiter.policy_warnings(),
     }
 
 

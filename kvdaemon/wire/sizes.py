@@ -22,10 +22,14 @@ _UNIT_BYTES: dict[str, int] = {
     "mb": 1000**2,
     "gb": 1000**3,
     "tb": 1000**4,
+    "pb": 1000**5,
+    "eb": 1000**6,
     "kib": 1024,
     "mib": 1024**2,
     "gib": 1024**3,
     "tib": 1024**4,
+    "pib": 1024**5,
+    "eib": 1024**6,
 }
 
 _SIZE_RE = re.compile(r"^\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-z%]*)\s*$", re.IGNORECASE)

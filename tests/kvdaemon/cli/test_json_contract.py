@@ -21,7 +21,7 @@ cli = lifecycle_tests.cli  # the fixture: a detached daemon's directory, cleaned
 SPEC = KVSpec(num_layers=1, num_kv_heads=2, head_dim=64, block_size=16, dtype="float16")
 STATUS_KEYS = {"dir", "backend", "device", "pid", "version", "uptime_seconds", "page_size",
                "capacity_bytes", "free_bytes", "device_free_bytes", "quarantined_bytes", "retired_bytes",
-               "host_bytes", "counters", "settings", "tenants", "policies"}  # fmt: skip
+               "host_bytes", "counters", "settings", "tenants", "policies", "warnings"}  # fmt: skip
 
 
 def json_of(done: subprocess.CompletedProcess[str], code: int = 0) -> dict[str, Any]:
@@ -44,7 +44,7 @@ def test_start_status_stop_json(cli: Cli) -> None:
     assert started == {
         "dir": str(cli.dir), "pid": cli.daemon_pid(), "version": "0.1.0", "backend": "host",
         "device": 0, "capacity_bytes": 64 * MiB, "capacity_asked_bytes": 64 * MiB, "page_size": 2 * MiB,
-        "log_file": str(cli.paths.log_file), "metrics_address": None, "metrics_url": None,
+        "log_file": str(cli.paths.log_file), "metrics_address": None, "metrics_url": None, "warnings": [],
     }  # fmt: skip
 
     status = json_of(cli.run("status", "--json"))

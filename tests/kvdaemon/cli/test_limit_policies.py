@@ -145,3 +145,17 @@ def test_a_promise_that_does_not_fit_now_is_kept_and_said_so(cli: Cli) -> None:
     finally:
         pool.close()
         client.close()
+
+
+def test_guarantees_in_the_config_that_do_not_fit_are_said_at_start_and_in_status(
+    cli: Cli, tmp_path: Path
+) -> None:
+    config = tmp_path / "kvdaemon.toml"
+    config.write_text(CONFIG + '\n[tenants.qwen-b]\nmin = "40MiB"\n\n[tenants.phi-c]\nmin = "40MiB"\n')
+    started = cli.start("--config", str(config))
+    assert started.returncode == 0
+    said = ("warning: the operator's mins for names not registered add up to 80.0 MiB, past the 64.0 MiB left "
+            "beside registered tenants' guarantees: those that register last are refused")
+    assert started.stdout.splitlines()[1:] == [said]
+    assert said in text_of(cli, "status")
+    assert json_of(cli.run("status", "--json"))["warnings"] == [said.removeprefix("warning: ")]

@@ -202,8 +202,9 @@ def test_bad_file_value_raises_config_error_naming_file_and_key(
 
 def test_unknown_file_key_is_refused(tmp_path: Path) -> None:
     file = write_toml(tmp_path, 'capacity = "1GiB"\ncapacty = "2GiB"\n')
-    with pytest.raises(ConfigError, match="key .capacty. is unknown"):
+    with pytest.raises(ConfigError, match="key .capacty. is unknown") as caught:
         load_config({}, {}, file)
+    assert "log-file and the [tenants] table (a dash or an underscore between words)" in caught.value.message
 
 
 def test_invalid_toml_is_refused(tmp_path: Path) -> None:
@@ -477,6 +478,7 @@ def test_bad_tenant_tables_are_refused(tmp_path: Path, body: str, fragment: str)
         load_config({}, {}, file)
     assert err.value.message.startswith(f"{file}: tenants: ")
     assert fragment in err.value.message
+    assert "(given {" not in err.value.message  # the entry is named, not the table's dict printed
 
 
 def test_the_example_config_shows_a_tenant_table_that_loads(tmp_path: Path) -> None:

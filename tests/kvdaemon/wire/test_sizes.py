@@ -29,6 +29,10 @@ KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
         ("2GB", 2 * 1000**3),
         ("3kB", 3000),
         ("1TB", 1000**4),
+        ("2PiB", 2 * 1024 * TiB),
+        ("1PB", 1000**5),
+        ("7EiB", 7 * 1024**6),  # the limit message says 8 EiB: the unit it names is taken
+        ("9EB", 9 * 1000**6),
         ("64B", 64),
         ("8 gib", 8 * GiB),
         ("  16MiB  ", 16 * MiB),
@@ -71,7 +75,7 @@ def test_bad_text_raises_config_error_naming_it(text: str) -> None:
     assert repr(text) in caught.value.message
 
 
-@pytest.mark.parametrize("value", ["99999999999999999999999", "9223372036854775808", "9300000TB", 1 << 63])
+@pytest.mark.parametrize("value", ["99999999999999999999999", "9223372036854775808", "9300000TB", "8EiB", 1 << 63])
 def test_a_byte_count_past_what_the_wire_carries_is_refused(value: str | int) -> None:
     with pytest.raises(ConfigError, match=r"at most 9223372036854775807 bytes"):
         parse_size(value)
