@@ -20,6 +20,9 @@ from kvdaemon.cli import detach, lifecycle, reach, tenant_commands, top_live, to
 from kvdaemon.cli.options import (
     JsonAwareCommand, SecondsParam, command_help, daemon_dir, daemon_options,
 )  # fmt: skip
+from kvdaemon.cli.exit_codes import (
+    EXIT_DAEMON_ERROR, EXIT_NOT_ANSWERING, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, statuses,
+)  # fmt: skip
 from kvdaemon.cli.output import emit, fail_usage, reporting
 from kvdaemon.cli.tenant_commands import stdout_console
 from kvdaemon.cli.versions import version_text, versions
@@ -29,6 +32,13 @@ from kvdaemon.errors import ConfigError, DaemonUnreachable
 from kvdaemon.wire.sizes import format_bytes
 
 TOP_STATUS_TIMEOUT_S = 2.0  # a hung daemon freezes `top` at most this long per refresh
+
+START_STATUSES = statuses(
+    EXIT_OK, EXIT_USAGE, EXIT_DAEMON_ERROR, s0="started, and it accepts clients",
+    s3="it did not start: one runs there already (CONFLICT), or it failed (its error code is printed)",
+)
+VERSION_STATUSES = statuses(EXIT_OK, EXIT_USAGE, s0="done (with no daemon running too: it says so)")
+TOP_STATUSES = statuses(EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_NOT_ANSWERING)
 
 
 def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
@@ -83,7 +93,7 @@ def main() -> None:
     epilog=command_help("""
 kvdaemon start --capacity 40GiB --metrics-address 127.0.0.1:9400
 kvdaemon start --foreground --config /etc/kvdaemon/kvdaemon.toml   # under systemd
-"""),
+""", START_STATUSES),
 )
 @daemon_options
 @click.option("--backend", type=click.Choice(BACKENDS, case_sensitive=False),
@@ -202,7 +212,7 @@ def stop(dir_flag: Path | None, config_file: Path | None, as_json: bool, timeout
 
 @main.command(
     short_help="Show versions: kvdaemon, Python, torch, CUDA, driver, backend.",
-    epilog=command_help("kvdaemon version --json"),
+    epilog=command_help("kvdaemon version --json", VERSION_STATUSES),
 )
 @daemon_options
 @reporting
@@ -224,7 +234,7 @@ def version(dir_flag: Path | None, config_file: Path | None, as_json: bool) -> N
 
 @main.command(
     short_help="Live view of every tenant; q quits.",
-    epilog=command_help("kvdaemon top --sort idle\nkvdaemon top --once | grep llama"),
+    epilog=command_help("kvdaemon top --sort idle\nkvdaemon top --once | grep llama", TOP_STATUSES),
 )
 @daemon_options
 @click.option("--once", is_flag=True, help="Print one frame and exit (also when stdout is no TTY).")

@@ -28,11 +28,26 @@ EXIT_DAEMON_ERROR = 3
 EXIT_NOT_ANSWERING = 4
 EXIT_TIMEOUT = 5
 
-EPILOG = (
-    "Exit status: 0 done; 1 no daemon running; 2 usage or configuration error; "
-    "3 the daemon refused (its error code is printed); 4 a daemon runs but does not "
-    "answer; 5 wait timed out."
-)
+STATUS_WORDS = {
+    EXIT_OK: "done",
+    EXIT_UNREACHABLE: "no daemon running",
+    EXIT_USAGE: "usage or configuration error",
+    EXIT_DAEMON_ERROR: "the daemon refused (its error code is printed)",
+    EXIT_NOT_ANSWERING: "a daemon runs but does not answer",
+    EXIT_TIMEOUT: "wait timed out",
+}
+
+
+def statuses(*codes: int, **words: str) -> str:
+    """A command's ``Exit status: 0 done; ...`` line, of the statuses it can exit with;
+    ``words`` (``s0=...``) says one in the command's own terms."""
+    said = "; ".join(f"{code} {words.get(f's{code}', STATUS_WORDS[code])}" for code in codes)
+    return f"Exit status: {said}."
+
+
+EPILOG = statuses(EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_DAEMON_ERROR, EXIT_NOT_ANSWERING, EXIT_TIMEOUT)
+TALKING = statuses(EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_DAEMON_ERROR, EXIT_NOT_ANSWERING)
+"""The statuses of a command that asks the running daemon once (all but ``wait``'s timeout)."""
 
 
 def exit_code_of(error: KVDaemonError) -> int:

@@ -18,6 +18,7 @@ from kvdaemon.cli.options import (
     JsonAwareCommand, PolicySizeParam, SecondsParam, TenantNameParam, WeightParam, command_help, daemon_dir,
     daemon_options,
 )  # fmt: skip
+from kvdaemon.cli.exit_codes import TALKING
 from kvdaemon.cli.output import emit, reporting
 from kvdaemon.cli.tenant_wait import wait_for_tenants
 from kvdaemon.client import KVClient
@@ -38,7 +39,7 @@ def stdout_console() -> Console:
 @click.command(
     cls=JsonAwareCommand,
     short_help="Show capacity, free memory and the tenants (all, or those named).",
-    epilog=command_help("kvdaemon status\nkvdaemon status llama-a --json | jq .tenants[0].mapped_bytes"),
+    epilog=command_help("kvdaemon status\nkvdaemon status llama-a --json | jq .tenants[0].mapped_bytes", TALKING),
 )
 @click.argument("names", nargs=-1, metavar="[NAME]...", type=TenantNameParam())
 @daemon_options
@@ -89,7 +90,7 @@ kvdaemon limit llama-a --max 8GiB --min 1GiB
 kvdaemon limit qwen-b --max 40%        # before qwen-b registers: applied when it does
 kvdaemon limit qwen-b --max none       # remove the limit
 kvdaemon limit qwen-b --reset          # forget what `limit` set: the config file's apply
-"""),
+""", TALKING),
 )
 @click.argument("name", type=TenantNameParam())
 @click.option("--max", "max_size", type=PolicySizeParam(),
@@ -184,7 +185,7 @@ def limit_text(result: dict[str, Any]) -> str:
 @click.command(
     cls=JsonAwareCommand,
     short_help="Put a tenant to sleep: its pages go back to the pool.",
-    epilog=command_help("kvdaemon sleep llama-a\nkvdaemon sleep llama-a --cold"),
+    epilog=command_help("kvdaemon sleep llama-a\nkvdaemon sleep llama-a --cold", TALKING),
 )
 @click.argument("name", type=TenantNameParam())
 @click.option("--cold", is_flag=True, help="Drop the KV instead of keeping it in host memory.")
@@ -223,7 +224,7 @@ def sleep(name: str, cold: bool, dir_flag: Path | None, config_file: Path | None
 @click.command(
     cls=JsonAwareCommand,
     short_help="Wake a sleeping tenant; a no-op for an awake one.",
-    epilog=command_help("kvdaemon wake llama-a"),
+    epilog=command_help("kvdaemon wake llama-a", TALKING),
 )
 @click.argument("name", type=TenantNameParam())
 @daemon_options
