@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from kvdaemon.cli import detach, lifecycle, reach, tenant_commands, top_live, top_view
+from kvdaemon.cli import detach, lifecycle, log_tail, reach, tenant_commands, top_live, top_view
 from kvdaemon.cli.options import (
     JsonAwareCommand, SecondsParam, command_help, daemon_dir, daemon_options,
 )  # fmt: skip
@@ -39,6 +39,7 @@ START_STATUSES = statuses(
 )
 VERSION_STATUSES = statuses(EXIT_OK, EXIT_USAGE, s0="done (with no daemon running too: it says so)")
 TOP_STATUSES = statuses(EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_NOT_ANSWERING)
+LOGS_STATUSES = statuses(EXIT_OK, EXIT_USAGE, s2="usage or configuration error, or no log file there")
 
 
 def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
@@ -266,6 +267,44 @@ def top(dir_flag: Path | None, config_file: Path | None, as_json: bool, once: bo
             top_live.run_live(client, root, snapshot, interval, sort)
         except KeyboardInterrupt:
             pass  # Ctrl-C is the other way to quit; the terminal is restored by then
+
+
+@main.command(
+    short_help="Show the daemon's log: its last lines, or follow it.",
+    epilog=command_help("kvdaemon logs -n 100\nkvdaemon logs --follow | grep llama-a", LOGS_STATUSES),
+)
+@daemon_options
+@click.option("-n", "--lines", "num_lines", type=click.IntRange(0, log_tail.MAX_LINES), default=40,
+              show_default=True, help="How many of the last lines to show.")
+@click.option("-f", "--follow", "follow_log", is_flag=True,
+              help="Then print what the daemon logs next, across log rotations, until Ctrl-C.")
+@reporting
+def logs(dir_flag: Path | None, config_file: Path | None, as_json: bool, num_lines: int,
+         follow_log: bool) -> None:  # fmt: skip
+    """Print the last lines of the log of the daemon at the directory: the file its
+    --log-file names (flag, KVDAEMON_LOG_FILE, the config file), else kvdaemon.log
+    in the directory. It needs no daemon running. --json prints {"log_file", "lines"}.
+    """
+    if as_json and follow_log:
+        fail_usage("--follow prints lines as they come: it does not go with --json", as_json)
+    config = load_config({"dir": dir_flag}, os.environ, config_file)
+    path = config.log_file or config.paths.log_file
+    fd = log_tail.open_log(path)
+    lines, size = log_tail.last_lines(fd, num_lines)
+    if as_json:
+        os.close(fd)
+        emit(True, {"log_file": str(path), "lines": lines}, "")
+        return
+    for line in lines:
+        click.echo(line)
+    if not follow_log:
+        os.close(fd)
+        return
+    try:
+        for line in log_tail.follow(path, fd, size):
+            click.echo(line)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how a follow ends
 
 
 for _command in tenant_commands.COMMANDS:

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from kvdaemon.cli.commands import main
 
-COMMANDS = ("start", "stop", "status", "limit", "sleep", "wake", "wait", "top", "version")
+COMMANDS = ("start", "stop", "status", "limit", "sleep", "wake", "wait", "top", "logs", "version")
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -19,7 +19,7 @@ def test_each_command_help_has_an_example_and_the_exit_statuses(command: str) ->
     statuses = said[said.index("Exit status: "):]
     assert statuses.startswith("Exit status: 0 ") and statuses.endswith(".")  # whole, not cut off
     assert ("5 wait timed out" in statuses) == (command == "wait")  # each lists what it can exit with
-    assert ("1 no daemon running" in statuses) == (command not in ("start", "stop", "version"))
+    assert ("1 no daemon running" in statuses) == (command not in ("start", "stop", "logs", "version"))
     assert "--dir" in result.output and "--config" in result.output
     if command != "top":
         assert "--json" in result.output
