@@ -62,6 +62,7 @@ class DaemonConfig:
     sleep_timeout_s: float = 10.0  # a tenant asked to sleep must quiesce within this
     reclaim_wait_s: float = 2.0  # the longest a grow may wait for other tenants' pages
     reclaim_escalate_s: float = 0.25  # then every victim is asked; at twice this one sleeps
+    victim_idle_s: float = 5.0  # ... if idle this long (a busy engine says so every second)
     attach_timeout_s: float = 10.0  # a registered tenant must attach its handle channel within this
     # Operator policies by tenant name ([tenants.NAME] of the config file), sorted by name.
     tenants: tuple[tuple[str, Policy], ...] = ()

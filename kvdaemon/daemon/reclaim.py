@@ -16,7 +16,9 @@ the daemon:
    again every ``REASK_S`` while the grow stays parked (a pool's debt lapses
    a second after the last urgent ask, ``pool_agent.OWED_S``);
 3. after twice that, if ``sleep_victims`` is on, warm-sleeps the longest-idle
-   victim that has no ``min_bytes`` guarantee and can be quiesced;
+   victim that has no ``min_bytes`` guarantee, can be quiesced, answers, and has
+   been idle ``victim_idle_s`` (default ``VICTIM_IDLE_S``; ``Tenant.may_be_victim``:
+   a busy one keeps its share, as in step 1);
 4. retries parked grows, oldest first, after every request and every tick; a
    grow still short at its ``wait_s`` (the client's, at most ``wait_s`` here)
    is answered ``NO_MEMORY``.
@@ -77,7 +79,7 @@ from kvdaemon.daemon.reclaim_debt import LAPSE_S
 from kvdaemon.daemon.reply import PendingReply
 from kvdaemon.daemon.shares import Shares, held_pages
 from kvdaemon.daemon.sleep import Sleeper
-from kvdaemon.daemon.tenant import Tenant, Tenants, TenantState
+from kvdaemon.daemon.tenant import VICTIM_IDLE_S, Tenant, Tenants, TenantState
 from kvdaemon.errors import KVDaemonError, NoMemory, UnknownTenant
 from kvdaemon.wire.sizes import format_bytes
 from kvdaemon.wire.messages import FreeNotice, ReclaimNotice
@@ -110,6 +112,7 @@ class Reclaimer:
     def __init__(
         self, tenants: Tenants, shares: Shares, pages: DevicePages, grants: Grants, leases: LeasePort,
         sleeper: Sleeper, *, wait_s: float, escalate_s: float, sleep_victims: bool = True,
+        victim_idle_s: float = VICTIM_IDLE_S,
     ) -> None:
         self.tenants = tenants
         self.shares = shares
@@ -120,6 +123,7 @@ class Reclaimer:
         self.wait_s = wait_s
         self.escalate_s = escalate_s
         self.sleep_victims = sleep_victims
+        self.victim_idle_s = victim_idle_s
         self.parked: list[ParkedGrow] = []
         self.num_reclaim_requests = 0
         self.warnings = LogThrottle(log)  # unpaid reclaim debts: one line a while
@@ -275,10 +279,7 @@ class Reclaimer:
     def _sleep_a_victim(self, requester: Tenant, now: float) -> bool:
         if not self.sleep_victims:
             return False
-        candidates = [
-            t for t, _ in self._victims(requester, now)
-            if t.min_bytes == 0 and t.pending_sleep is None and t.sleepable
-        ]  # fmt: skip
+        candidates = [t for t, _ in self._victims(requester, now) if t.may_be_victim(now, self.victim_idle_s)]
         if not candidates:
             return False
         victim = min(candidates, key=lambda t: t.last_active)  # the longest idle

@@ -113,7 +113,7 @@ class Service:
         self.reclaimer = Reclaimer(
             self.tenants, self.shares, self.pages, self.grants, leases, self.sleeper,
             wait_s=self.config.reclaim_wait_s, escalate_s=self.config.reclaim_escalate_s,
-            sleep_victims=self.config.reclaim_sleep,
+            sleep_victims=self.config.reclaim_sleep, victim_idle_s=self.config.victim_idle_s,
         )
         # Operator policies: the config file's [tenants], plus those kept on disk when given.
         self.policies = policies if policies is not None else PolicyBook(self.config.tenant_policies)

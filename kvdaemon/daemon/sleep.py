@@ -260,6 +260,7 @@ class Sleeper:
             pending = tenant.pending_sleep
             if pending is None or pending.saving is not None or now < pending.deadline:
                 continue  # none, or the tenant quiesced in time: its copy runs
+            tenant.sleep_unanswered_at = now  # not asked again by a policy until heard from
             self.cancel(tenant, pending, f"did not quiesce within {self.timeout_s:g} s")
 
     def cancel(self, tenant: Tenant, pending: PendingSleep, why: str) -> None:

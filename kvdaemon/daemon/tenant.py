@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 MAX_SEGMENTS = 4096
 SLEEP_REFUSED_S = 60.0  # after a tenant refused a sleep for a reason of its own, the daemon asks again no sooner
+VICTIM_IDLE_S = 5.0  # reclaim sleeps only a tenant idle this long (a busy engine says so every second)
 
 
 class TenantState(str, enum.Enum):
@@ -170,6 +171,7 @@ class Tenant:
     num_shrunk_pages: int = 0  # logical pages given back by shrinks, ever
     last_refusal: str = ""  # why the last grow was refused, in words
     refused_at: float | None = None  # when a grow was last refused (the service's clock)
+    sleep_unanswered_at: float | None = None  # when a sleep was last cancelled, not quiesced in time
     own: OwnLimits | None = None  # what it asked for itself; default: the limits it has
     own_limit_logged_at: float = float("-inf")  # its last own limit change logged (monotonic)
     num_own_limits_unlogged: int = 0  # its own changes since then, told with the next line
@@ -215,9 +217,24 @@ class Tenant:
         return max(0, self.mapped_bytes - keep) // self.page_size_bytes
 
     def may_be_slept(self, now: float) -> bool:
-        """The idle policy may ask it to sleep: it can quiesce and has not refused a sleep within
-        ``SLEEP_REFUSED_S`` (memory wanted by another, a reclaim, asks whatever). O(1)."""
-        return self.sleepable and now - self.sleep_refused_at >= SLEEP_REFUSED_S
+        """The idle policy may ask it to sleep: it can quiesce, answers (``answers_sleeps``) and
+        has not refused a sleep within ``SLEEP_REFUSED_S`` (a reclaim does not wait for that:
+        ``may_be_victim``). O(1)."""
+        return self.sleepable and self.answers_sleeps() and now - self.sleep_refused_at >= SLEEP_REFUSED_S
+
+    def may_be_victim(self, now: float, idle_s: float = VICTIM_IDLE_S) -> bool:
+        """Reclaim may sleep it for another tenant's need: it can quiesce and answers, holds no
+        guarantee, has no sleep pending, and has been idle ``idle_s`` (sleeping a busy engine
+        for another busy one only passes the memory back and forth, each wake taking it back
+        by the next reclaim: busy tenants keep their shares instead). O(1)."""
+        return (self.sleepable and self.answers_sleeps() and self.min_bytes == 0 and self.pending_sleep is None
+                and now - self.last_active >= idle_s)  # fmt: skip
+
+    def answers_sleeps(self) -> bool:
+        """False after a sleep it did not quiesce for in time until it is heard from again: a
+        stopped or hung process, asked again, would only hold the memory wanted for another
+        ``quiesce timeout``. O(1)."""
+        return self.sleep_unanswered_at is None or self.heard_at > self.sleep_unanswered_at
 
     def touch(self, now: float) -> None:
         self.last_active = now

@@ -52,7 +52,8 @@ def test_a_busy_grow_takes_an_idle_tenants_spare_pages(kvd: RunningDaemon) -> No
     busy.close()
 
 
-@pytest.mark.parametrize("kvd", [{"reclaim_escalate_s": 0.05, "reclaim_wait_s": 10.0}], indirect=True)
+@pytest.mark.parametrize("kvd", [{"reclaim_escalate_s": 0.05, "reclaim_wait_s": 10.0, "victim_idle_s": 0.5}],
+                         indirect=True)
 def test_an_idle_tenant_is_warm_slept_when_spare_pages_are_not_enough(kvd: RunningDaemon) -> None:
     client = kvd.client()
     idle = client.register("idle", SPEC, num_spare_pages=0, num_prefetch_pages=0)
@@ -60,6 +61,7 @@ def test_an_idle_tenant_is_warm_slept_when_spare_pages_are_not_enough(kvd: Runni
     wait_until(lambda: rows(client)["idle"]["sleepable"])
     held = idle.alloc(6 * BLOCKS_PER_PAGE)  # live blocks: nothing spare to give
     idle.key_cache(1)[held[-1]] = 9
+    wait_until(lambda: rows(client)["idle"]["idle_seconds"] >= 0.5)  # idle long enough to be slept
     busy = client.register("busy", SPEC, num_spare_pages=0, num_prefetch_pages=0)
     busy_blocks = busy.alloc(4 * BLOCKS_PER_PAGE)
     now = rows(client)

@@ -10,6 +10,7 @@ import pytest
 
 from kvdaemon.daemon.reclaim import MAX_PARKED_PER_TENANT
 from kvdaemon.daemon.reclaim_debt import LAPSE_S
+from kvdaemon.daemon.tenant import VICTIM_IDLE_S
 from kvdaemon.wire.handles import MAX_GROW_PAGES, max_grant_pages
 from kvdaemon.wire.protocol import decode, request
 
@@ -52,6 +53,7 @@ def test_reclaim_escalates_with_the_clock(h: Harness) -> None:
     a = h.register("a", sleepable=True)
     b = h.register("b")
     h.ok("grow", **h.auth("a", a["token"], logical_pages=[0, 1, 2, 3, 4, 5]))  # 12 of 16 pages
+    h.clock.advance(VICTIM_IDLE_S)  # a idle since: a victim reclaim may sleep
     assert h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2]))) is None
     # parked: a is asked at once for just the missing pages (6 wanted, 4 free)
     assert notices_to(h, a, "reclaim") == [{"num_pages": 1, "urgent": True, "expires_at": h.clock() + LAPSE_S}]
@@ -70,6 +72,7 @@ def test_victims_slept_counts_a_reclaim_sleep_once_it_is_done_not_when_asked(h: 
     a = h.register("a", sleepable=True)
     b = h.register("b")
     h.ok("grow", **h.auth("a", a["token"], logical_pages=[0, 1, 2, 3, 4, 5]))
+    h.clock.advance(VICTIM_IDLE_S)
     h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2])))
     h.tick(0.3)
     h.tick(0.25)  # a is asked to sleep; it never quiesces
@@ -79,11 +82,34 @@ def test_victims_slept_counts_a_reclaim_sleep_once_it_is_done_not_when_asked(h: 
     assert h.ok("status")["counters"]["victims_slept"] == 0
     h.service.dispatch(b"b", request(6, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2])))
     h.tick(0.3)
+    h.tick(0.25)  # not asked again: silent since it let a sleep lapse (stopped or hung?)
+    assert len(notices_to(h, a, "sleep")) == 1
+    h.tick(2.0)  # that grow is refused
+    h.ok("heartbeat", **h.auth("a", a["token"]))  # heard from again
+    h.service.dispatch(b"b", request(7, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2])))
+    h.tick(0.3)
     h.tick(0.25)  # asked again; this time it quiesces
+    assert len(notices_to(h, a, "sleep")) == 2
     sleep_id = notices_to(h, a, "sleep")[-1]["sleep_id"]
     h.ok("sleep_ready", **h.auth("a", a["token"], sleep_id=sleep_id))
     counters = h.ok("status")["counters"]
     assert (counters["victims_slept"], counters["sleeps"]) == (1, 1)
+
+
+def test_reclaim_sleeps_no_busy_tenant_for_another(h: Harness) -> None:
+    a = h.register("a", sleepable=True)
+    b = h.register("b")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=[0, 1, 2, 3, 4, 5]))
+    h.clock.advance(VICTIM_IDLE_S - 1.0)
+    h.ok("heartbeat", **h.auth("a", a["token"], active=True))  # its engine stepped: busy
+    h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2])))
+    h.tick(0.3)
+    h.tick(0.25)  # past twice the escalation: a busy a keeps its pages (a wake would take them back)
+    assert notices_to(h, a, "sleep") == [] and len(notices_to(h, a, "reclaim")) == 2
+    h.tick(1.5)
+    routing_id, payload = h.replies.pop()
+    assert routing_id == b"b" and decode(payload)["error"]["code"] == "NO_MEMORY"
+    assert h.ok("status")["counters"]["victims_slept"] == 0
 
 
 def test_a_parked_grow_asks_its_victims_again_while_it_waits(h: Harness) -> None:

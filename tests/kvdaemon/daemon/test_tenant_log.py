@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvdaemon.daemon.tenant import VICTIM_IDLE_S
 from kvdaemon.daemon.tenant_log import MAX_LINES_PER_TICK
 from kvdaemon.wire.protocol import request
 
@@ -176,6 +177,7 @@ def test_the_idle_policy_and_reclaim_say_so(h: Harness, caplog: pytest.LogCaptur
     ]
     victim = h.register("victim", sleepable=True)
     grow(h, "victim", victim, [0, 1, 2, 3, 4, 5])  # 24 of the 32 MiB
+    h.clock.advance(VICTIM_IDLE_S)  # idle since: reclaim may sleep it
     wanting = h.register("wanting")
     h.service.dispatch(b"w", request(9, "grow", h.auth("wanting", wanting["token"], logical_pages=[0, 1, 2])))
     h.tick(0.3)
