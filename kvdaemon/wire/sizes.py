@@ -36,6 +36,8 @@ _SIZE_RE = re.compile(r"^\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-z%]*)\
 
 _ACCEPTED = "bytes (1048576), 512MiB, 2GiB, 4KiB, 1TiB, 500MB, 2GB or a percentage (40%)"
 
+MAX_PERCENT_DECIMALS = 6  # a percentage's text stays short wherever it is kept (policies.json, status)
+
 _DISPLAY_UNITS: tuple[tuple[str, int], ...] = (
     ("TiB", 1024**4),
     ("GiB", 1024**3),
@@ -77,7 +79,8 @@ class SizeSpec:
     def __str__(self) -> str:
         if self.exact_bytes is not None:
             return str(self.exact_bytes)
-        return f"{self.percent}%"
+        assert self.percent is not None
+        return f"{self.percent.normalize():f}%"  # never an exponent ('1E-7%' reads back as no size)
 
 
 def bytes_of(count: int) -> SizeSpec:
@@ -96,8 +99,8 @@ def parse_size(text: str | int) -> SizeSpec:
     Units are case-insensitive: ``B``, binary ``KiB MiB GiB TiB`` (powers of
     1024), decimal ``KB MB GB TB`` (powers of 1000) and ``%``. A fractional
     number is allowed with a unit when the result is a whole number of bytes
-    (``1.5GiB``), and with ``%``. A byte count is at most ``MAX_INT`` (2^63 - 1,
-    what the wire carries).
+    (``1.5GiB``), and with ``%`` (at most ``MAX_PERCENT_DECIMALS`` decimals). A
+    byte count is at most ``MAX_INT`` (2^63 - 1, what the wire carries).
     """
     if isinstance(text, bool):
         raise ConfigError(f"invalid size {text!r}: expected {_ACCEPTED}")
@@ -121,7 +124,10 @@ def _spec_of(text: str, number: str, unit: str) -> SizeSpec:
     if unit == "%":
         if value > 100:
             raise ConfigError(f"invalid size {text!r}: a percentage is at most 100%")
-        return SizeSpec(percent=value)
+        exponent = value.normalize().as_tuple().exponent
+        if isinstance(exponent, int) and -exponent > MAX_PERCENT_DECIMALS:
+            raise ConfigError(f"invalid size {text!r}: a percentage has at most {MAX_PERCENT_DECIMALS} decimals")
+        return SizeSpec(percent=value.normalize())
     if unit == "":
         unit = "b"
     if unit not in _UNIT_BYTES:

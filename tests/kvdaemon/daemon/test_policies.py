@@ -164,7 +164,7 @@ def test_the_book_refuses_a_new_name_past_its_cap_and_keeps_the_rest() -> None:
 
 def test_a_full_book_of_the_longest_names_fits_the_file_the_next_daemon_reads(tmp_path: Path) -> None:
     path = tmp_path / "policies.json"
-    widest = policy(max=(1 << 62) - 1, min="99.99999999%", weight=0.30000000000000004)
+    widest = policy(max=(1 << 62) - 1, min="99.999999%", weight=0.30000000000000004)
     names = [f"{i:04d}" + "x" * 124 for i in range(MAX_POLICIES)]
     write_policies(path, dict.fromkeys(names, widest))
     assert path.stat().st_size < policy_file.MAX_FILE_BYTES // 2

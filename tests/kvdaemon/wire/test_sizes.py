@@ -75,6 +75,21 @@ def test_bad_text_raises_config_error_naming_it(text: str) -> None:
     assert repr(text) in caught.value.message
 
 
+@pytest.mark.parametrize(("text", "kept"), [
+    ("0.000001%", "0.000001%"), ("0.0000010%", "0.000001%"), ("50.0000000%", "50%"), ("0.0000000000%", "0%"),
+    ("100%", "100%"), ("12.5%", "12.5%"), ("0" * 500 + "7.25" + "0" * 500 + "%", "7.25%"),
+])
+def test_a_percentage_is_kept_in_short_text_that_reads_back(text: str, kept: str) -> None:
+    spec = parse_size(text)
+    assert str(spec) == kept and parse_size(str(spec)) == spec  # kept in policies.json: it must read back
+
+
+@pytest.mark.parametrize("text", ["0.0000001%", "0.00000010%", "1.0000005%"])
+def test_a_percentage_finer_than_a_millionth_is_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match="a percentage has at most 6 decimals"):
+        parse_size(text)
+
+
 @pytest.mark.parametrize("value", ["99999999999999999999999", "9223372036854775808", "9300000TB", "8EiB", 1 << 63])
 def test_a_byte_count_past_what_the_wire_carries_is_refused(value: str | int) -> None:
     with pytest.raises(ConfigError, match=r"at most 9223372036854775807 bytes"):
