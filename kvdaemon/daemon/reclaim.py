@@ -89,6 +89,7 @@ Attempt = Callable[[Tenant, float], "dict[str, Any] | None"]  # None: it answers
 ASK_AHEAD_S = 0.25  # at most one such ask per this interval
 REASK_S = 0.5  # a parked grow's victims are asked again this often (under a pool's OWED_S)
 MAX_PARKED_PER_TENANT = 8  # grows and wakes of one tenant waiting at once (a pool has one grow in flight)
+MAX_PARKED = 32  # grows and wakes waiting at once in all: every request retries them, each re-asks O(tenants)
 
 
 @dataclass
@@ -139,11 +140,15 @@ class Reclaimer:
         With ``wait_s == 0`` the victims are still asked, but nothing is parked. ``attempt``
         (a warm wake of ``min_pages`` logical pages) is retried instead of a grow. A tenant
         has at most ``MAX_PARKED_PER_TENANT`` grows and wakes parked: past that, nothing more
-        is parked (a flood of asks cannot make every retry cost more). Wakes parked together
-        are answered together: the first that fits wakes the tenant, the rest find it awake.
+        is parked (a flood of asks cannot make every retry cost more); with ``MAX_PARKED``
+        parked in all, the victims are asked but nothing more is parked, as with ``wait_s ==
+        0`` (many tenants' floods cannot either). Wakes parked together are answered together:
+        the first that fits wakes the tenant, the rest find it awake.
         """
         if sum(p.tenant_id == tenant.tenant_id for p in self.parked) >= MAX_PARKED_PER_TENANT:
             return False
+        if len(self.parked) >= MAX_PARKED:
+            wait_s = 0.0
         self.shares.starve(tenant, now, min_pages * tenant.spec.num_segments)
         short = self._short(tenant, min_pages)
         victims = self._victims(tenant, now)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvdaemon.daemon import reclaim
 from kvdaemon.daemon.reclaim import MAX_PARKED_PER_TENANT
 from kvdaemon.daemon.reclaim_debt import LAPSE_S
 from kvdaemon.daemon.tenant import VICTIM_IDLE_S
@@ -266,6 +267,21 @@ def test_a_tenant_parks_a_bounded_number_of_grows(h: Harness) -> None:
     assert len(h.service.reclaimer.parked) == MAX_PARKED_PER_TENANT
     h.tick(2.1)  # every parked grow is answered
     assert len(h.replies) == MAX_PARKED_PER_TENANT and h.service.reclaimer.parked == []
+
+
+def test_at_most_max_parked_grows_wait_in_all_and_the_rest_still_ask_the_victims(
+    h: Harness, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(reclaim, "MAX_PARKED", 2)
+    a = h.register("a")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=list(range(6))))  # 12 of 16 pages
+    regs = [h.register(name) for name in ("b", "c", "d")]
+    for i, (name, reg) in enumerate(zip("bc", regs)):
+        assert h.service.dispatch(name.encode(), request(i, "grow", h.auth(name, reg["token"],
+                                                                           logical_pages=[0, 1, 2]))) is None
+    asked = len(notices_to(h, a, "reclaim"))
+    assert h.error("grow", **h.auth("d", regs[2]["token"], logical_pages=[0, 1, 2])) == "NO_MEMORY"  # at once
+    assert len(h.service.reclaimer.parked) == 2 and len(notices_to(h, a, "reclaim")) == asked + 1
 
 
 def test_a_parked_grow_keeps_one_grants_worth_of_candidates_and_retries_in_constant_time(
