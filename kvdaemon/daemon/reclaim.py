@@ -154,7 +154,7 @@ class Reclaimer:
         victims = self._victims(tenant, now)
         if sum(pages for _, pages in victims) < short:
             return False
-        self._ask(victims, short, now, stop_when_covered=True)
+        self._ask(victims, short, now, stop_when_covered=True, requester=tenant)
         if wait_s <= 0:
             return False
         self.parked.append(
@@ -167,10 +167,12 @@ class Reclaimer:
 
     def _ask(
         self, victims: list[tuple[Tenant, int]], short: int, now: float, stop_when_covered: bool,
-        urgent: bool = True,
+        requester: Tenant | None = None,
     ) -> None:
-        """Send reclaim notices for ``short`` pages, best victim first (``urgent``: for a real
-        need, what a victim cannot give now it owes; else only what it can give now)."""
+        """Send reclaim notices for ``short`` pages, best victim first (with a ``requester``:
+        urgent, for its real need, and what a victim cannot give now it owes; without: only
+        what it can give now)."""
+        urgent = requester is not None
         remaining = short
         for victim, pages_above_min in victims:
             if remaining <= 0 and stop_when_covered:
@@ -178,8 +180,8 @@ class Reclaimer:
             ask = min(pages_above_min, max(remaining, 1))
             num_logical = -(-ask // victim.spec.num_segments)
             notify(self.leases, victim.tenant_id, ReclaimNotice(num_logical, urgent, now + LAPSE_S))
-            if urgent:
-                victim.debt.ask(num_logical, now)
+            if requester is not None:
+                victim.debt.ask(num_logical, now, requester.tenant_id)
             self.num_reclaim_requests += 1
             remaining -= num_logical * victim.spec.num_segments
 
@@ -195,7 +197,7 @@ class Reclaimer:
                   for t, pages in self._victims(None, now)]
         victims = sorted((v for v in capped if v[1] > 0), key=lambda v: v[1] / v[0].weight, reverse=True)
         if victims:
-            self._ask(victims, short, now, stop_when_covered=True, urgent=False)
+            self._ask(victims, short, now, stop_when_covered=True)
             self.num_asks_ahead += 1
 
     def tell_free(self, now: float) -> None:
@@ -278,7 +280,8 @@ class Reclaimer:
             self._ask_all(parked, tenant, now)  # so what victims owe does not lapse while it waits
 
     def _ask_all(self, parked: ParkedGrow, tenant: Tenant, now: float) -> None:
-        self._ask(self._victims(tenant, now), self._short(tenant, parked.min_pages), now, stop_when_covered=False)
+        self._ask(self._victims(tenant, now), self._short(tenant, parked.min_pages), now, stop_when_covered=False,
+                  requester=tenant)
         parked.asked_at = now
 
     def _sleep_a_victim(self, requester: Tenant, now: float) -> bool:
@@ -299,6 +302,13 @@ class Reclaimer:
         for parked in self.parked:
             parked.waiter.fail(error)
         self.parked = []
+
+    def requester_left(self, tenant: Tenant) -> None:
+        """``tenant`` is gone: the debts of the asks made only for it end, not unpaid (nobody
+        waits for those pages any more). O(tenants)."""
+        for t in self.tenants:
+            if t.debt.owed_pages:
+                t.debt.requester_left(tenant.tenant_id)
 
     def settle_debts(self, now: float) -> None:
         """End the reclaim debts whose asks lapsed (``reclaim_debt``); log the unpaid ones

@@ -56,6 +56,7 @@ POLL_MS = 100
 CONTROL_BATCH = 64
 CONTROL_BUDGET_S = 0.02
 CONTROL_SNDHWM = 16  # replies queued per control peer (see ``_bind_control``)
+CONTROL_RCVHWM = 8  # requests queued per control peer: 8 MiB at most at the 1 MiB frame limit (it was 64)
 
 
 class Daemon:
@@ -127,7 +128,10 @@ class Daemon:
         router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.RCVHWM, 64)  # a flooding peer is held back by the kernel, not buffered here
+        # Requests queued here per peer: past CONTROL_RCVHWM the kernel holds a flooding peer back,
+        # so one peer holds at most that many frames of MAX_MESSAGE_BYTES (the number of peers is
+        # bounded only by the process's fd limit).
+        router.setsockopt(zmq.RCVHWM, CONTROL_RCVHWM)
         # A client waits for each reply before its next request, so a peer with more than
         # SNDHWM replies unread is not reading: past it replies are dropped, not queued.
         router.setsockopt(zmq.SNDHWM, CONTROL_SNDHWM)

@@ -485,6 +485,7 @@ class Service:
         held = not clean and self.quarantine.hold(tenant, why)
         num_pages = 0 if held else self.grants.release_all(tenant)
         self.tenants.remove(tenant)
+        self.reclaimer.requester_left(tenant)
         if logged:
             log_removed(tenant, num_pages, why, clean)
         return num_pages
