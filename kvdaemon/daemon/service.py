@@ -481,22 +481,25 @@ class Service:
         stay quarantined until it does (``Quarantine``). ``why`` says which, for the log.
         """
         self.activity.flush(tenant, self.clock())
-        self.forget_sleep(tenant)  # a copy under way stops first (a wake's pages, never sent, go)
+        host_bytes = 0 if tenant.warm is None else tenant.warm.host_bytes
+        num_pages = self.forget_sleep(tenant)  # a copy under way stops first (a wake's pages, never sent, go)
         held = not clean and self.quarantine.hold(tenant, why)
-        num_pages = 0 if held else self.grants.release_all(tenant)
+        num_pages += 0 if held else self.grants.release_all(tenant)
         self.tenants.remove(tenant)
         self.reclaimer.requester_left(tenant)
         if logged:
-            log_removed(tenant, num_pages, why, clean)
+            log_removed(tenant, num_pages, why, clean, host_bytes)
         return num_pages
 
-    def forget_sleep(self, tenant: Tenant, stopping: bool = False) -> None:
+    def forget_sleep(self, tenant: Tenant, stopping: bool = False) -> int:
         """Drop a removed tenant's sleep or wake under way and its warm copy; their callers
-        are told the tenant went away (``stopping``: the daemon is stopping)."""
+        are told the tenant went away (``stopping``: the daemon is stopping). Returns the
+        physical pages a wake under way held, now freed."""
         woke = DaemonUnreachable("the daemon stopped before the tenant woke") if stopping else None
         slept = DaemonUnreachable("the daemon stopped before the tenant slept") if stopping else None
-        self.waker.forget(tenant, woke)
+        num_freed = self.waker.forget(tenant, woke)
         self.sleeper.forget(tenant, slept)
+        return num_freed
 
     def tick(self, now: float) -> None:
         """Time-driven work: drop tenants that never attached, cancel stale sleeps,

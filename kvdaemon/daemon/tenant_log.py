@@ -124,11 +124,14 @@ def log_registered(tenant: Tenant, bounded: Bounded, policy: str) -> None:
                     format_bytes(limits.max_bytes), format_bytes(tenant.logical_page_bytes), tenant.name)
 
 
-def log_removed(tenant: Tenant, num_pages: int, why: str, clean: bool) -> None:
-    """The tenant left: ``why`` (an unregister, or how its lease ended) and what came back."""
+def log_removed(tenant: Tenant, num_pages: int, why: str, clean: bool, host_bytes: int = 0) -> None:
+    """The tenant left: ``why`` (an unregister, or how its lease ended) and what came back
+    (``host_bytes``: the warm copy of its KV dropped with it)."""
     freed = format_bytes(num_pages * tenant.page_size_bytes)
+    warm = f"; its warm KV ({format_bytes(host_bytes)} of host memory) dropped" if host_bytes else ""
     if clean:
-        log.info("tenant %s %s: %d physical page(s) (%s) back to the pool", tenant.name, why, num_pages, freed)
+        log.info("tenant %s %s: %d physical page(s) (%s) back to the pool%s", tenant.name, why, num_pages,
+                 freed, warm)  # fmt: skip
     else:
-        log.warning("tenant %s (pid %d) removed: %s; %d physical page(s) (%s) back to the pool",
-                    tenant.name, tenant.pid, why, num_pages, freed)  # fmt: skip
+        log.warning("tenant %s (pid %d) removed: %s; %d physical page(s) (%s) back to the pool%s",
+                    tenant.name, tenant.pid, why, num_pages, freed, warm)  # fmt: skip

@@ -127,16 +127,18 @@ class Waker:
         """Logical pages a wake of ``tenant`` maps (its warm copy's; 0 for a cold sleeper)."""
         return 0 if tenant.warm is None else len(tenant.warm.logical_pages)
 
-    def forget(self, tenant: Tenant, why: KVDaemonError | None = None) -> None:
+    def forget(self, tenant: Tenant, why: KVDaemonError | None = None) -> int:
         """Stop a removed tenant's copy back and free the pages it was filling (never sent:
-        nobody maps them), and tell its waiters ``why`` (default: the tenant went away)."""
+        nobody maps them), and tell its waiters ``why`` (default: the tenant went away).
+        Returns the physical pages freed."""
         waking, tenant.waking = tenant.waking, None
         if waking is None:
-            return
+            return 0
         waking.job.cancel()
-        self.sleeper.grants.release_all(tenant)  # a sleeper holds only what its wake took
+        num_freed = self.sleeper.grants.release_all(tenant)  # a sleeper holds only what its wake took
         for reply in waking.waiters:
             reply.fail(why or Conflict(f"tenant {tenant.name!r} went away while waking"))
+        return num_freed
 
     def stats(self) -> dict[str, int]:
         return {"wakes": self.num_wakes}

@@ -282,3 +282,19 @@ def test_a_tenant_whose_lease_ends_mid_wake_gets_no_quarantine_for_pages_it_neve
     monkeypatch.setattr(h.service.quarantine, "started", lambda _pid: 123.0)  # its process lives on
     h.service.remove(h.service.tenants.named("a"), "its lease ended", clean=False)
     assert h.service.quarantine.held == [] and h.ok("status")["free_bytes"] == NUM_PAGES * PAGE_BYTES
+
+
+def test_a_tenant_gone_mid_wake_is_logged_with_the_pages_and_the_warm_copy_it_gave_back(
+    h: Harness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    reg = holding(h, "a")
+    quiesced(h, "a", reg)
+    h.service.sleeper.copies.run_all()
+    assert send(h, b"admin", 30, "wake", name="a") is None
+    step(h, 2)  # its wake holds six pages being filled
+    tenant = h.service.tenants.named("a")
+    h.service.remove(tenant, "its handle channel closed", clean=False)  # killed mid-restore
+    assert h.ok("status")["free_bytes"] == NUM_PAGES * PAGE_BYTES
+    said = [r.getMessage() for r in caplog.records if "removed" in r.getMessage()]
+    assert said == [f"tenant a (pid {tenant.pid}) removed: its handle channel closed; 6 physical page(s) "
+                    "(12.0 MiB) back to the pool; its warm KV (12.0 MiB of host memory) dropped"]
