@@ -45,6 +45,7 @@ from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, decode, request, result_of
 
 log = logging.getLogger("kvdaemon.client")
 ALIVE_POLL_S = 0.1  # how often a wait checks ``alive()``
+STILL_WAITING_S = 30.0  # ``call_until_answered`` says it is still waiting this often
 
 
 class ControlChannel:
@@ -119,11 +120,14 @@ class ControlChannel:
             return result_of(reply)
 
     def call_until_answered(self, op: str, args: dict[str, Any]) -> Any:
-        """Send one request and wait for its reply while ``alive()``; ``DaemonUnreachable`` once not."""
+        """Send one request and wait for its reply while ``alive()``; ``DaemonUnreachable`` once not.
+        Every ``STILL_WAITING_S`` without one it logs a warning (the daemon is alive, but
+        stopped or hung: whoever waits on this, an engine held for a sleep, waits with it)."""
         with self._lock:
-            request_id = self._send(op, args)
-            reply = self._wait(request_id, float("inf"))
-            assert reply is not None
+            request_id, started = self._send(op, args), time.monotonic()
+            while (reply := self._wait(request_id, time.monotonic() + STILL_WAITING_S)) is None:
+                log.warning("the kvdaemon at %s has not answered %r for %.0f s; it is alive (stopped or hung?): "
+                            "waiting on", self.paths.root, op, time.monotonic() - started)  # fmt: skip
             return result_of(reply)
 
     def collect(self, request_id: int) -> dict[str, Any] | None:
