@@ -186,9 +186,10 @@ class KVPool:
 
     @resume_hook.setter
     def resume_hook(self, hook: Callable[[], None] | None) -> None:
-        """Run by the agent once a sleep is decided or a move is done. The pool may be asleep
-        when it runs: until it is awake no block's tensors may be touched (their pages are
-        unmapped; see client/README.md, Hooks)."""
+        """Run by the agent once a sleep is decided or a move is done (not the move of a pool
+        asleep, whose quiesce hook did not run either). The pool may be asleep when it runs:
+        until it is awake no block's tensors may be touched (their pages are unmapped; see
+        client/README.md, Hooks)."""
         self.core.resume_hook = hook
 
     @property
@@ -493,7 +494,7 @@ class KVPool:
         if not self.wait_state(lambda state: not state.asleep, REJOIN_WAIT_S):
             raise DaemonUnreachable(
                 f"pool {self.name!r}: the daemon that put it to sleep is gone and the one running has not "
-                f"taken it back yet ({refusal.message}); it wakes empty once it has"
+                f"taken it back yet ({refusal.message}); it wakes empty once it has (its log says why not)"
             ) from refusal
         self._check_open()
 

@@ -34,11 +34,12 @@ from kvdaemon.wire.sizes import format_bytes
 TOP_STATUS_TIMEOUT_S = 2.0  # a hung daemon freezes `top` at most this long per refresh
 
 START_STATUSES = statuses(
-    EXIT_OK, EXIT_USAGE, EXIT_DAEMON_ERROR, s0="started, and it accepts clients",
+    EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_DAEMON_ERROR, EXIT_NOT_ANSWERING, s0="started, and it accepts clients",
+    s1="it started, then was gone at once", s4="it started, then stopped answering at once",
     s3="it did not start: one runs there already (CONFLICT), or it failed (its error code is printed)",
 )
 VERSION_STATUSES = statuses(EXIT_OK, EXIT_USAGE, s0="done (with no daemon running too: it says so)")
-TOP_STATUSES = statuses(EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_NOT_ANSWERING)
+TOP_STATUSES = statuses(EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, EXIT_DAEMON_ERROR, EXIT_NOT_ANSWERING)
 LOGS_STATUSES = statuses(EXIT_OK, EXIT_USAGE, s2="usage or configuration error, or no log file there")
 
 
@@ -278,16 +279,19 @@ def top(dir_flag: Path | None, config_file: Path | None, as_json: bool, once: bo
               show_default=True, help="How many of the last lines to show.")
 @click.option("-f", "--follow", "follow_log", is_flag=True,
               help="Then print what the daemon logs next, across log rotations, until Ctrl-C.")
+@click.option("--log-file", type=click.Path(dir_okay=False, path_type=Path), metavar="PATH",
+              help="The file the daemon was started with --log-file (also KVDAEMON_LOG_FILE, the config file).")
 @reporting
 def logs(dir_flag: Path | None, config_file: Path | None, as_json: bool, num_lines: int,
-         follow_log: bool) -> None:  # fmt: skip
-    """Print the last lines of the log of the daemon at the directory: the file its
-    --log-file names (flag, KVDAEMON_LOG_FILE, the config file), else kvdaemon.log
-    in the directory. It needs no daemon running. --json prints {"log_file", "lines"}.
+         follow_log: bool, log_file: Path | None) -> None:  # fmt: skip
+    """Print the last lines of the log of the daemon at the directory: the file
+    --log-file names (the flag, KVDAEMON_LOG_FILE, the config file: as given to
+    `start`), else kvdaemon.log in the directory. It needs no daemon running.
+    --json prints {"log_file", "lines"}.
     """
     if as_json and follow_log:
         fail_usage("--follow prints lines as they come: it does not go with --json", as_json)
-    config = load_config({"dir": dir_flag}, os.environ, config_file)
+    config = load_config({"dir": dir_flag, "log-file": log_file}, os.environ, config_file)
     path = config.log_file or config.paths.log_file
     fd = log_tail.open_log(path)
     lines, size = log_tail.last_lines(fd, num_lines)

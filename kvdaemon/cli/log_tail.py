@@ -1,13 +1,17 @@
 """``kvdaemon logs``: the last lines of a daemon's log file, and what it writes next.
 
 The file is the one the daemon at the directory writes: ``--log-file`` (flag,
-``KVDAEMON_LOG_FILE`` or the config file), else ``kvdaemon.log`` in the
-directory. It is opened ``O_NOFOLLOW`` (a symlink planted there is refused, as
-the daemon refuses it) and only a regular file is read. ``last_lines`` reads
-backwards from the end in blocks, so a long log costs what the lines shown
-take; ``follow`` polls for more every ``FOLLOW_POLL_S`` and reopens the path
-when the file is renamed away (logrotate's ``create``) or truncated
-(``copytruncate``), so a rotation loses nothing that was written to the path.
+``KVDAEMON_LOG_FILE`` or the config file: give ``logs`` the same as ``start``),
+else ``kvdaemon.log`` in the directory. Only a regular file is read, checked
+before it is opened (a FIFO or device is never opened) and opened
+``O_NOFOLLOW`` (a symlink planted there is refused, as the daemon refuses it).
+``last_lines`` reads backwards from the end in blocks, so a long log costs what
+the lines shown take; lines end at ``\n`` only. ``follow`` polls for more every
+``FOLLOW_POLL_S``: a file renamed away (logrotate's ``create``) is read to its
+end, then the path's new file from its start, so nothing is lost; a file
+truncated in place (``copytruncate``) is read again from its start, which loses
+what was written between the last poll and the copy, and misses the truncation
+when more than was read is written again before the next poll.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def open_log(path: Path) -> int:
     """An fd of the regular file at ``path``; ``ConfigError`` naming why not (missing, a
     symlink, not a regular file, unreadable)."""
     try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # before opening: a FIFO or device is never opened
+            raise ConfigError(f"cannot read the log file {path}: not a regular file")
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError as err:
         raise ConfigError(f"no log file at {path}: no daemon has logged there (one started with "
@@ -55,8 +61,10 @@ def last_lines(fd: int, num_lines: int) -> tuple[list[str], int]:
         chunks.append(chunk)
         newlines += chunk.count(b"\n")
         position = start
-    text = b"".join(reversed(chunks)).decode("utf-8", errors="replace")
-    return text.splitlines()[-num_lines:], size
+    lines = b"".join(reversed(chunks)).decode("utf-8", errors="replace").split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the text ends with a newline: no partial line after it
+    return lines[-num_lines:], size
 
 
 def follow(path: Path, fd: int, position: int, stopped: Callable[[], bool] = lambda: False) -> Iterator[str]:

@@ -58,6 +58,7 @@ from kvdaemon.wire.protocol import MAX_INT, Args
 from kvdaemon.wire.sizes import SizeSpec, format_bytes
 
 log = logging.getLogger("kvdaemon.limits")
+MAX_POLICY_WARNINGS = 8  # lines of ``policy_warnings`` for policies under one page; the rest counted
 MAX_REVISION = (1 << 53) - 1  # a limit revision; every one has a next on the wire (module docstring)
 
 
@@ -195,6 +196,9 @@ class Limiter:
             if name not in registered:
                 bounded = bound(OwnLimits(None, 0, 1.0), self.policies.effective(name), self.capacity_bytes)
                 warnings.extend(f"policy of {name}: {w}" for w in self._tiny_max(name, bounded))
+        if len(warnings) > MAX_POLICY_WARNINGS:  # a line each would bury the rest
+            more = len(warnings) - MAX_POLICY_WARNINGS + 1
+            warnings = [*warnings[:MAX_POLICY_WARNINGS - 1], f"{more} more policies with a max under one page"]
         return warnings + self._over_promised()
 
     def _tiny_max(self, name: str, bounded: Bounded) -> list[str]:

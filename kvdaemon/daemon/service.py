@@ -373,9 +373,9 @@ class Service:
         used = args.opt_int("used_bytes", 0, MAX_INT)
         if used is not None and used != tenant.used_bytes:
             tenant.used_bytes = used
-            tenant.touch(self.clock())
+            tenant.note_engine_active(self.clock())
         if args.bool("active"):  # its engine stepped: busy, whatever its blocks did
-            tenant.touch(self.clock())
+            tenant.note_engine_active(self.clock())
         if args.has("sleepable"):
             tenant.sleepable = args.bool("sleepable")
         num_refused = args.int("refused_grows", 0, MAX_INT, default=0)

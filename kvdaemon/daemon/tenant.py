@@ -172,13 +172,14 @@ class Tenant:
     last_refusal: str = ""  # why the last grow was refused, in words
     refused_at: float | None = None  # when a grow was last refused (the service's clock)
     sleep_unanswered_at: float | None = None  # when a sleep was last cancelled, not quiesced in time
+    engine_active_at: float = 0.0  # when a heartbeat last said its engine worked (or it registered, woke)
     own: OwnLimits | None = None  # what it asked for itself; default: the limits it has
     own_limit_logged_at: float = float("-inf")  # its last own limit change logged (monotonic)
     num_own_limits_unlogged: int = 0  # its own changes since then, told with the next line
     debt: ReclaimDebt = field(default_factory=ReclaimDebt)  # what urgent reclaims asked of it
 
     def __post_init__(self) -> None:
-        self.last_active = self.heard_at = self.registered_at
+        self.last_active = self.heard_at = self.engine_active_at = self.registered_at
         if self.own is None:
             self.own = OwnLimits(self.max_bytes, self.min_bytes, self.weight)
 
@@ -224,11 +225,12 @@ class Tenant:
 
     def may_be_victim(self, now: float, idle_s: float = VICTIM_IDLE_S) -> bool:
         """Reclaim may sleep it for another tenant's need: it can quiesce and answers, holds no
-        guarantee, has no sleep pending, and has been idle ``idle_s`` (sleeping a busy engine
+        guarantee, has no sleep pending, and its engine has been idle ``idle_s`` (its pool's grows
+        and returns, answering reclaim, are not the engine's work; sleeping a busy engine
         for another busy one only passes the memory back and forth, each wake taking it back
         by the next reclaim: busy tenants keep their shares instead). O(1)."""
         return (self.sleepable and self.answers_sleeps() and self.min_bytes == 0 and self.pending_sleep is None
-                and now - self.last_active >= idle_s)  # fmt: skip
+                and now - self.engine_active_at >= idle_s)  # fmt: skip
 
     def answers_sleeps(self) -> bool:
         """False after a sleep it did not quiesce for in time until it is heard from again: a
@@ -238,6 +240,11 @@ class Tenant:
 
     def touch(self, now: float) -> None:
         self.last_active = now
+
+    def note_engine_active(self, now: float) -> None:
+        """Its engine stepped or its blocks changed (a heartbeat says so): busy, for idle time
+        and for reclaim (``may_be_victim``: its pool's own grows and returns do not count)."""
+        self.last_active = self.engine_active_at = now
 
     def note_mapped(self) -> None:
         self.peak_mapped_bytes = max(self.peak_mapped_bytes, self.mapped_bytes)

@@ -99,7 +99,7 @@ class Waker:
             self.sleeper.drop_warm(tenant)
         tenant.state = TenantState.ACTIVE
         self.sleeper.tenants.changed()
-        tenant.touch(self.sleeper.clock())
+        tenant.note_engine_active(self.sleeper.clock())
         self.num_wakes += 1
         lps = [lp for lp, _ in grant["pages"]]
         for notice in WakeNotice.parts(mode, grant["grant_id"], lps):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_DOWN, Decimal, InvalidOperation
 
 from kvdaemon.errors import ConfigError
 from kvdaemon.wire.protocol import MAX_INT
@@ -36,7 +36,7 @@ _SIZE_RE = re.compile(r"^\s*(?P<number>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[a-z%]*)\
 
 _ACCEPTED = "bytes (1048576), 512MiB, 2GiB, 4KiB, 1TiB, 500MB, 2GB or a percentage (40%)"
 
-MAX_PERCENT_DECIMALS = 6  # a percentage's text stays short wherever it is kept (policies.json, status)
+PERCENT_STEP = Decimal("0.000001")  # a percentage is kept to this, rounded down: short text, wherever kept
 
 _DISPLAY_UNITS: tuple[tuple[str, int], ...] = (
     ("TiB", 1024**4),
@@ -64,6 +64,9 @@ class SizeSpec:
             raise ConfigError(f"size must not be negative, got {self.exact_bytes}")
         if self.percent is not None and not Decimal(0) <= self.percent <= Decimal(100):
             raise ConfigError(f"percentage must be between 0% and 100%, got {self.percent}%")
+        if self.percent is not None:  # kept to PERCENT_STEP, rounded down: its text stays short
+            kept = self.percent.quantize(PERCENT_STEP, rounding=ROUND_DOWN).normalize()
+            object.__setattr__(self, "percent", kept)
 
     @property
     def is_percent(self) -> bool:
@@ -99,8 +102,8 @@ def parse_size(text: str | int) -> SizeSpec:
     Units are case-insensitive: ``B``, binary ``KiB MiB GiB TiB`` (powers of
     1024), decimal ``KB MB GB TB`` (powers of 1000) and ``%``. A fractional
     number is allowed with a unit when the result is a whole number of bytes
-    (``1.5GiB``), and with ``%`` (at most ``MAX_PERCENT_DECIMALS`` decimals). A
-    byte count is at most ``MAX_INT`` (2^63 - 1, what the wire carries).
+    (``1.5GiB``), and with ``%`` (kept to ``PERCENT_STEP``, rounded down). A byte
+    count is at most ``MAX_INT`` (2^63 - 1, what the wire carries).
     """
     if isinstance(text, bool):
         raise ConfigError(f"invalid size {text!r}: expected {_ACCEPTED}")
@@ -124,10 +127,7 @@ def _spec_of(text: str, number: str, unit: str) -> SizeSpec:
     if unit == "%":
         if value > 100:
             raise ConfigError(f"invalid size {text!r}: a percentage is at most 100%")
-        exponent = value.normalize().as_tuple().exponent
-        if isinstance(exponent, int) and -exponent > MAX_PERCENT_DECIMALS:
-            raise ConfigError(f"invalid size {text!r}: a percentage has at most {MAX_PERCENT_DECIMALS} decimals")
-        return SizeSpec(percent=value.normalize())
+        return SizeSpec(percent=value)
     if unit == "":
         unit = "b"
     if unit not in _UNIT_BYTES:

@@ -278,31 +278,37 @@ def test_a_pool_whose_name_is_taken_keeps_asking_and_joins_once_it_is_freed(
             other.close_all()
 
 
-def asleep_pool_after_restart(root: Path, client: KVClient, daemons: list[subprocess.Popen[bytes]]) -> tuple[
-        KVPool, threading.Event, list[str]]:
+@contextmanager
+def asleep_pool_after_restart(root: Path) -> Iterator[tuple[KVClient, KVPool, threading.Event, list[str]]]:
     """A pool put to sleep warm, its daemon SIGKILLed and another started; its re-join held
-    back until the returned gate is set. Also returns the engine hook calls seen."""
-    pool = client.register("sleepy", SPEC, num_prefetch_pages=0)
-    written(pool, pool.alloc(BLOCKS_PER_PAGE), 3.0)
-    pool.sleep("warm")
-    assert pool.sleep_mode == "warm"
-    hooks: list[str] = []
-    pool.quiesce_hook = lambda: hooks.append("quiesce")
-    pool.resume_hook = lambda: hooks.append("resume")
-    gate = threading.Event()
-    counting_refusals(pool, gate)
-    os.kill(daemons[0].pid, signal.SIGKILL)
-    daemons[0].wait(10)
-    wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
-    daemons.append(start_daemon(root))
-    return pool, gate, hooks
-
-
-def test_a_pool_asleep_when_its_daemon_restarted_wakes_empty_on_a_wake(root: Path) -> None:
+    back until the yielded gate is set. Also yields the engine hook calls seen."""
     daemons = [start_daemon(root)]
     client = KVClient(root)
     try:
-        pool, gate, hooks = asleep_pool_after_restart(root, client, daemons)
+        pool = client.register("sleepy", SPEC, num_prefetch_pages=0)
+        written(pool, pool.alloc(BLOCKS_PER_PAGE), 3.0)
+        pool.sleep("warm")
+        assert pool.sleep_mode == "warm"
+        hooks: list[str] = []
+        pool.quiesce_hook = lambda: hooks.append("quiesce")
+        pool.resume_hook = lambda: hooks.append("resume")
+        gate = threading.Event()
+        counting_refusals(pool, gate)
+        os.kill(daemons[0].pid, signal.SIGKILL)
+        daemons[0].wait(10)
+        wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
+        daemons.append(start_daemon(root))
+        yield client, pool, gate, hooks
+        pool.close()
+    finally:
+        for proc in daemons:
+            if proc.poll() is None:
+                proc.kill()
+        client.close()
+
+
+def test_a_pool_asleep_when_its_daemon_restarted_wakes_empty_on_a_wake(root: Path) -> None:
+    with asleep_pool_after_restart(root) as (client, pool, gate, hooks):
         asking = pool.lease.wake
 
         def wake_then_let_it_rejoin() -> dict[str, object]:
@@ -321,22 +327,13 @@ def test_a_pool_asleep_when_its_daemon_restarted_wakes_empty_on_a_wake(root: Pat
         again = pool.alloc(BLOCKS_PER_PAGE)
         written(pool, again, 4.0)
         assert holds(pool, again, 4.0)
-        pool.close()
-    finally:
-        for proc in daemons:
-            if proc.poll() is None:
-                proc.kill()
-        client.close()
 
 
 def test_a_wake_says_the_daemon_is_unreachable_while_the_pool_cannot_rejoin(
     root: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("kvdaemon.client.pool.REJOIN_WAIT_S", 0.3)
-    daemons = [start_daemon(root)]
-    client = KVClient(root)
-    try:
-        pool, gate, _ = asleep_pool_after_restart(root, client, daemons)
+    with asleep_pool_after_restart(root) as (_, pool, gate, _):
         with pytest.raises(DaemonUnreachable, match="the daemon that put it to sleep is gone"):
             pool.wake()  # the engines' wakes take this as "not yet" and step on
         assert pool.sleep_mode == "warm"
@@ -344,12 +341,6 @@ def test_a_wake_says_the_daemon_is_unreachable_while_the_pool_cannot_rejoin(
         wait_until(lambda: pool.sleep_mode is None, 15, "the pool never re-joined")
         pool.wake()  # a no-op now
         assert pool.num_block_losses == 1
-        pool.close()
-    finally:
-        for proc in daemons:
-            if proc.poll() is None:
-                proc.kill()
-        client.close()
 
 
 def test_a_pool_tells_the_daemon_it_rejoined_that_it_can_sleep_at_once(

@@ -20,6 +20,7 @@ def test_each_command_help_has_an_example_and_the_exit_statuses(command: str) ->
     assert statuses.startswith("Exit status: 0 ") and statuses.endswith(".")  # whole, not cut off
     assert ("5 wait timed out" in statuses) == (command == "wait")  # each lists what it can exit with
     assert ("1 no daemon running" in statuses) == (command not in ("start", "stop", "logs", "version"))
+    assert ("3 " in statuses) == (command not in ("logs", "version"))
     assert "--dir" in result.output and "--config" in result.output
     if command != "top":
         assert "--json" in result.output

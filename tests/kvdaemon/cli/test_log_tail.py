@@ -40,11 +40,14 @@ def test_the_last_lines_are_read_from_the_end_across_blocks(tmp_path: Path, num_
     assert size == (root / "kvdaemon.log").stat().st_size
 
 
-def test_a_partial_last_line_is_shown(tmp_path: Path) -> None:
-    root = log_dir(tmp_path, "one\ntwo\nthree, half")
+def test_a_partial_last_line_is_shown_and_lines_end_at_newlines_only(tmp_path: Path) -> None:
+    root = log_dir(tmp_path, "one\ntwo \x0c\r\u2028 still two\nthree, half")
     fd = log_tail.open_log(root / "kvdaemon.log")
-    assert log_tail.last_lines(fd, 2)[0] == ["two", "three, half"]
+    assert log_tail.last_lines(fd, 2)[0] == ["two \x0c\r\u2028 still two", "three, half"]
     os.close(fd)
+    os.mkfifo(tmp_path / "fifo.log")
+    with pytest.raises(ConfigError, match="not a regular file"):
+        log_tail.open_log(tmp_path / "fifo.log")  # refused before it is opened: no wait for a writer
 
 
 def test_a_missing_file_a_symlink_and_a_directory_are_refused(tmp_path: Path) -> None:
@@ -109,3 +112,5 @@ def test_the_command_reads_the_log_file_the_config_names(tmp_path: Path) -> None
     assert (done.exit_code, done.output) == (0, "from the config's file\n")
     missing = CliRunner().invoke(main, ["logs", "--dir", str(tmp_path / "none")])
     assert missing.exit_code == 2 and "no log file at" in missing.output
+    flag = CliRunner().invoke(main, ["logs", "--dir", str(root), "--log-file", str(other)])
+    assert (flag.exit_code, flag.output) == (0, "from the config's file\n")  # as `start --log-file` was given

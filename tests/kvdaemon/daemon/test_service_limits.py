@@ -260,6 +260,11 @@ def test_a_policy_max_under_one_page_says_its_tenant_could_map_nothing(h: Harnes
     stored = h.ok("set_limit", name="tiny", max=str(PAGE_BYTES // 2))
     assert stored["warnings"] == ["max 1.00 MiB is under one page (2.00 MiB): a tenant 'tiny' could map nothing"]
     assert h.ok("set_limit", name="fits", max=str(PAGE_BYTES))["warnings"] == []
+    for i in range(20):
+        h.ok("set_limit", name=f"tiny-{i:02d}", max="1KiB")
+    warnings = h.ok("status")["warnings"]  # one line each for the first, the rest counted
+    assert len(warnings) == limits.MAX_POLICY_WARNINGS and warnings[-1] == "14 more policies with a max under one page"
+    assert warnings[0].startswith("policy of tiny: max 1.00 MiB is under one page")
 
 
 def test_the_config_files_policies_that_cannot_be_given_are_logged_at_start(caplog: pytest.LogCaptureFixture) -> None:

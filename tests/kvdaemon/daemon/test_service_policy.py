@@ -113,6 +113,18 @@ def test_reclaim_sleeps_no_busy_tenant_for_another(h: Harness) -> None:
     assert h.ok("status")["counters"]["victims_slept"] == 0
 
 
+def test_a_victim_that_gives_back_what_it_can_is_still_idle_for_reclaim(h: Harness) -> None:
+    a = h.register("a", sleepable=True)
+    b = h.register("b")
+    h.ok("grow", **h.auth("a", a["token"], logical_pages=[0, 1, 2, 3, 4, 5]))
+    h.clock.advance(VICTIM_IDLE_S)
+    h.service.dispatch(b"b", request(5, "grow", h.auth("b", b["token"], logical_pages=[0, 1, 2, 3])))
+    h.ok("shrink", **h.auth("a", a["token"], logical_pages=[5]))  # its agent's answer: what is spare
+    h.tick(0.3)
+    h.tick(0.25)  # still short: the idle engine is slept (its pool's return is not its engine's work)
+    assert [n["mode"] for n in notices_to(h, a, "sleep")] == ["warm"]
+
+
 def test_a_parked_grow_asks_its_victims_again_while_it_waits(h: Harness) -> None:
     a = h.register("a")
     b = h.register("b")
