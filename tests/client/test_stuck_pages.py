@@ -257,7 +257,7 @@ def test_a_sleep_refused_for_a_reason_gone_since_does_not_keep_a_reclaim_from_sl
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The idle policy waits after a refusal; a reclaim, memory wanted now, asks again."""
-    with running_daemon(f"{CAPACITY}B", reclaim_escalate_s=0.05, reclaim_wait_s=5.0) as kvd:
+    with running_daemon(f"{CAPACITY}B", reclaim_escalate_s=0.05, reclaim_wait_s=5.0, victim_idle_s=0.0) as kvd:
         client = kvd.client()
         idle = client.register("idle", SPEC, num_spare_pages=0, num_prefetch_pages=0)
         idle.quiesce_hook = lambda: None

@@ -225,7 +225,7 @@ def test_status_json_is_the_status_object(cli: Cli) -> None:
     status = json.loads(done.stdout)
     assert set(status) == STATUS_KEYS | {
         "dir", "host_bytes", "quarantined_bytes", "retired_bytes", "counters", "device", "pid", "version",
-        "uptime_seconds", "policies", "device_free_bytes", "settings"}
+        "uptime_seconds", "policies", "device_free_bytes", "settings", "warnings"}
     assert status["dir"] == str(cli.dir)
     assert {key: status[key] for key in STATUS_KEYS} == {
         "backend": "host", "page_size": 2 * MiB, "capacity_bytes": 64 * MiB,

@@ -266,8 +266,8 @@ def test_json_before_the_command_is_the_commands_flag(cli: Cli) -> None:
     assert done.returncode == 2 and done.stdout == ""
 
 
-@pytest.mark.parametrize("args", [("bogus", "--json"), ("--json", "bogus")])
+@pytest.mark.parametrize("args", [("frobnicate", "--json"), ("--json", "frobnicate")])
 def test_an_unknown_command_with_json_is_a_json_usage_error(cli: Cli, args: tuple[str, ...]) -> None:
-    assert error_of(cli.run(*args), 2, "USAGE") == "No such command 'bogus'."
-    done = cli.run("bogus")  # without the flag: click's usage text on stderr
-    assert done.returncode == 2 and done.stdout == "" and "No such command 'bogus'" in done.stderr
+    assert error_of(cli.run(*args), 2, "USAGE") == "No such command 'frobnicate'."
+    done = cli.run("frobnicate")  # without the flag: click's usage text on stderr
+    assert done.returncode == 2 and done.stdout == "" and "No such command 'frobnicate'" in done.stderr
