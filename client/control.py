@@ -126,8 +126,9 @@ class ControlChannel:
         with self._lock:
             request_id, started = self._send(op, args), time.monotonic()
             while (reply := self._wait(request_id, time.monotonic() + STILL_WAITING_S)) is None:
+                waited_s = time.monotonic() - started
                 log.warning("the kvdaemon at %s has not answered %r for %.0f s; it is alive (a long copy, or "
-                            "stopped or hung): waiting on", self.paths.root, op, time.monotonic() - started)  # fmt: skip
+                            "stopped or hung): waiting on", self.paths.root, op, waited_s)  # fmt: skip
             return result_of(reply)
 
     def collect(self, request_id: int) -> dict[str, Any] | None:
