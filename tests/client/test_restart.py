@@ -100,11 +100,11 @@ def test_engines_keep_their_kv_across_a_daemon_restart(root: Path) -> None:
 
 @contextmanager
 def detached_pool(
-    root: Path, name: str, num_blocks: int, value: float,
+    root: Path, name: str, num_blocks: int, value: float, asleep: bool = False,
 ) -> Iterator[tuple[KVClient, KVPool, list[int], list[subprocess.Popen[bytes]]]]:
-    """A pool holding ``num_blocks`` blocks written with ``value``, its daemon SIGKILLed and its
-    lease lost; yields the client, the pool, the blocks, and the daemons to kill afterwards
-    (a test appends the one it starts)."""
+    """A pool holding ``num_blocks`` blocks written with ``value`` (``asleep``: then put to sleep
+    warm), its daemon SIGKILLed and its lease lost; yields the client, the pool, the blocks, and
+    the daemons to kill afterwards (a test appends the one it starts)."""
     first = start_daemon(root)
     daemons = [first]
     client = KVClient(root)
@@ -112,6 +112,9 @@ def detached_pool(
         pool = client.register(name, SPEC, num_prefetch_pages=0)
         blocks = pool.alloc(num_blocks)
         written(pool, blocks, value)
+        if asleep:
+            pool.sleep("warm")
+            assert pool.sleep_mode == "warm"
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
         wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
@@ -282,29 +285,14 @@ def test_a_pool_whose_name_is_taken_keeps_asking_and_joins_once_it_is_freed(
 def asleep_pool_after_restart(root: Path) -> Iterator[tuple[KVClient, KVPool, threading.Event, list[str]]]:
     """A pool put to sleep warm, its daemon SIGKILLed and another started; its re-join held
     back until the yielded gate is set. Also yields the engine hook calls seen."""
-    daemons = [start_daemon(root)]
-    client = KVClient(root)
-    try:
-        pool = client.register("sleepy", SPEC, num_prefetch_pages=0)
-        written(pool, pool.alloc(BLOCKS_PER_PAGE), 3.0)
-        pool.sleep("warm")
-        assert pool.sleep_mode == "warm"
+    with detached_pool(root, "sleepy", BLOCKS_PER_PAGE, 3.0, asleep=True) as (client, pool, _, daemons):
         hooks: list[str] = []
         pool.quiesce_hook = lambda: hooks.append("quiesce")
         pool.resume_hook = lambda: hooks.append("resume")
         gate = threading.Event()
         counting_refusals(pool, gate)
-        os.kill(daemons[0].pid, signal.SIGKILL)
-        daemons[0].wait(10)
-        wait_until(lambda: pool.lease.lost.is_set(), 5, "lease not lost")
         daemons.append(start_daemon(root))
         yield client, pool, gate, hooks
-        pool.close()
-    finally:
-        for proc in daemons:
-            if proc.poll() is None:
-                proc.kill()
-        client.close()
 
 
 def test_a_pool_asleep_when_its_daemon_restarted_wakes_empty_on_a_wake(root: Path) -> None:
