@@ -36,9 +36,10 @@ from typing import Any
 import zmq
 
 from kvdaemon.daemon.config import DaemonConfig
+from kvdaemon.daemon.control_peers import MIN_PEERS, ControlPeers, peer_cap
 from kvdaemon.cuda_vmm import open_backend
 from kvdaemon.cuda_vmm.backend import Backend
-from kvdaemon.daemon.lease_table import LeaseTable
+from kvdaemon.daemon.lease_table import LeaseTable, fd_budget
 from kvdaemon.daemon.log_throttle import LogThrottle
 from kvdaemon.daemon.metrics import Metrics
 from kvdaemon.daemon.policy_book import PolicyBook
@@ -79,6 +80,7 @@ class Daemon:
         self._shutting_down = False  # leases closing now are not tenant deaths
         self._next_tick = 0.0
         self.warnings = LogThrottle(log)
+        self.control_peers = ControlPeers(self.warnings)
         self.on_stopping: Callable[[], None] = lambda: None  # first thing the teardown calls
 
     # -- setup -----------------------------------------------------------------
@@ -109,6 +111,7 @@ class Daemon:
             os.umask(old_umask)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self.control_peers.monitor, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         if cfg.metrics_port:
             self.metrics = Metrics(cfg.metrics_port, self._snapshot, host=cfg.metrics_host)
@@ -135,6 +138,7 @@ class Daemon:
         # A client waits for each reply before its next request, so a peer with more than
         # SNDHWM replies unread is not reading: past it replies are dropped, not queued.
         router.setsockopt(zmq.SNDHWM, CONTROL_SNDHWM)
+        self.control_peers.start(self._ctx, router, _control_peer_cap())
         router.bind(self.paths.control_endpoint)
         os.chmod(self.paths.control_socket, 0o600)
         self._router = router
@@ -157,6 +161,8 @@ class Daemon:
             copies = self.service.sleeper.copies
             while not self._stopping and not self.service.shutdown_requested:
                 events = dict(self._poller.poll(0 if copies.busy else POLL_MS))
+                if events.get(self.control_peers.monitor):
+                    self.control_peers.drain()
                 if events.get(self._router):
                     self._drain_control()
                 if events.get(self._listener_fd):
@@ -293,6 +299,7 @@ class Daemon:
         self.service.backend.close()
         if self.metrics is not None:
             self.metrics.stop()
+        self.control_peers.close()
         if self._router is not None:
             self._router.close(linger=500)  # let the last replies and notices out
         if self._ctx is not None:
@@ -315,6 +322,20 @@ def _warn_map_cap(backend: Backend, num_pages: int) -> None:
             "vm.max_map_count (%s); past that its grows are refused: raise vm.max_map_count or the page size",
             mappable, num_pages, format_bytes(mappable * backend.page_size_bytes),
         )
+
+
+def _control_peer_cap() -> int:
+    """Control connections kept: what the handle channel's fd budget leaves, less the monitor's
+    queue, halved (``control_peers.peer_cap``); a warning where the fd limit leaves too few."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    cap = peer_cap(soft - fd_budget(soft))
+    if cap == MIN_PEERS:
+        log.warning(
+            "the fd limit (%d) leaves few fds beside the handle channel's: a flood of control connections "
+            "could still exhaust them before they are shut down; raise the hard RLIMIT_NOFILE "
+            "(systemd: LimitNOFILE) to 8192 or more", soft,
+        )
+    return cap
 
 
 def _raise_fd_limit() -> None:
