@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import resource
 import socket
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 
@@ -169,6 +171,39 @@ def test_an_fd_number_reused_by_another_socket_is_not_shut_down() -> None:
         table.accepted(ours[0][0].fileno())  # the other's newest is forgotten, its socket untouched
         assert table.num_held(other_pid) == 1 and table.num_shut == 1
         assert not was_shut(theirs[1]) and not was_shut(theirs[0])
+
+
+def test_the_victim_is_always_of_a_process_holding_the_most(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random accepts and closes from 6 processes against a recount from scratch."""
+    rng = random.Random(7)
+    pid_of: dict[int, int] = {}
+    shut_fds: list[int] = []
+    monkeypatch.setattr(control_peers, "_identify", lambda fd: (pid_of[fd], fd))
+    monkeypatch.setattr(control_peers, "_shut_down", lambda fd, inode: shut_fds.append(fd))
+    table = peers(max_peers=12)
+    open_fds: dict[int, int] = {}  # fd -> pid, in accept order: the model
+    for fd in range(1, 3000):
+        if open_fds and rng.random() < 0.45:
+            gone = rng.choice(list(open_fds))
+            del open_fds[gone]
+            table.closed(gone)
+            continue
+        pid_of[fd] = pid = rng.randrange(6)
+        open_fds[fd] = pid
+        counts = Counter(open_fds.values())
+        table.accepted(fd)
+        if len(open_fds) <= 12:
+            assert not shut_fds
+            continue
+        victim = shut_fds.pop()
+        top = max(counts.values())
+        assert counts[open_fds[victim]] == top, (counts, open_fds[victim])
+        if counts[pid] == top:
+            assert victim == fd, "the newcomer's own process holds the most: the newcomer goes"
+        assert victim == max(f for f, p in open_fds.items() if p == open_fds[victim]), "not the newest"
+        del open_fds[victim]
+        assert len(table) == 12
+        assert all(table.num_held(p) == n for p, n in Counter(open_fds.values()).items())
 
 
 def test_the_cap_leaves_the_monitor_queue_and_half_the_rest() -> None:
