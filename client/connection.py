@@ -210,6 +210,9 @@ class KVClient:
         from kvdaemon.client.pool import KVPool, check_wait_s  # the pool's machinery: not for a CLI's status
 
         check_wait_s(grow_wait_s, most_s)
+        _check_pages_kept(num_spare_pages=num_spare_pages, num_prefetch_pages=num_prefetch_pages)
+        if not isinstance(auto_wake, bool):
+            raise BadRequest(f"auto_wake must be True or False, got {auto_wake!r}")
         page = int(info["page_size"])
         total = int(info["capacity_bytes"]) if virtual_bytes is None else virtual_bytes
         if isinstance(total, bool) or not isinstance(total, int) or total <= 0:
@@ -226,15 +229,15 @@ class KVClient:
         def relink() -> Lease:
             return self._relink(name, spec, num_virtual_pages, limits, lease.page_size_bytes)
 
-        pool = KVPool(
-            lease, spec, num_virtual_pages, num_spare_pages, num_prefetch_pages, auto_wake,
-            relink=relink, on_close=self._pool_closed,
-        )
-        pool.core.most_wait_s = most_s
-        pool.grow_wait_s = grow_wait_s
-        try:
+        try:  # whatever fails, the name goes back to the daemon with the lease
+            pool = KVPool(
+                lease, spec, num_virtual_pages, num_spare_pages, num_prefetch_pages, auto_wake,
+                relink=relink, on_close=self._pool_closed,
+            )
+            pool.core.most_wait_s = most_s
+            pool.grow_wait_s = grow_wait_s
             pool.start()
-        except KVDaemonError:
+        except BaseException:
             lease.close()
             raise
         self._open_pools[id(pool)] = pool
@@ -334,3 +337,11 @@ class KVClient:
 
     def __exit__(self, *_exc: object) -> None:
         self.close()
+
+
+def _check_pages_kept(**counts: object) -> None:
+    """``num_spare_pages`` and ``num_prefetch_pages`` are counts of logical pages: ints >= 0."""
+    for name, count in counts.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise BadRequest(f"{name} must be a whole number of pages >= 0, got {count!r}")
+

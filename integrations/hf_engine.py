@@ -64,7 +64,7 @@ import torch
 from kvdaemon.client.block_manager import BlockManager
 from kvdaemon.client.engine_pool import EnginePool
 from kvdaemon.client.spec import KVSpec
-from kvdaemon.errors import Asleep, BadRequest, DaemonUnreachable, NoMemory, OverLimit, PoolExhausted
+from kvdaemon.errors import Asleep, BadRequest, Conflict, DaemonUnreachable, NoMemory, OverLimit, PoolExhausted
 from kvdaemon.integrations import hf_attention, hf_probe
 from kvdaemon.integrations.request import Request
 from kvdaemon.integrations.scheduler import Batch, Scheduler
@@ -104,6 +104,7 @@ class Engine:
     ) -> None:
         if not isinstance(pool, EnginePool):
             raise BadRequest(f"{type(pool).__name__} is not a pool the engine can run over (see EnginePool)")
+        _check_unclaimed(pool)
         layout = hf_probe.probe_layout(model)
         self._check_pool(model, layout, pool)
         self.max_model_len = _max_model_len(model, max_model_len, layout, attention_impl)
@@ -429,3 +430,15 @@ def _count(value: Any, name: str) -> int:
     if number <= 0:
         raise BadRequest(f"{name} must be a positive integer, got {value!r}")
     return number
+
+
+def _check_unclaimed(pool: EnginePool) -> None:
+    """Refuse a pool another engine (or a block manager) already runs over: its sleep hooks would
+    be replaced, so a sleep would unmap pages under the first engine's running step."""
+    if pool.quiesce_hook is not None or pool.resume_hook is not None or pool.reclaim_hook is not None:
+        name = getattr(pool, "name", "")
+        raise Conflict(
+            f"pool {name!r} already has an engine (its sleep or reclaim hooks are set): close that "
+            "engine first, or register another pool for this one"
+        )
+

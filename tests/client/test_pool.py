@@ -489,6 +489,35 @@ def test_requests_the_daemon_could_never_take_are_refused_before_sending(kvd: Ru
         client.register("x" * 5000, SPEC)  # answered by the daemon, under its id: no timeout
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"num_spare_pages": "x"}, {"num_spare_pages": -1}, {"num_prefetch_pages": -5},
+    {"num_prefetch_pages": 1.5}, {"num_spare_pages": True}, {"auto_wake": "yes"},
+])
+def test_bad_register_arguments_are_refused_and_leave_the_name_free(
+    kvd: RunningDaemon, kwargs: dict[str, object],
+) -> None:
+    client = kvd.client()
+    with pytest.raises(BadRequest, match=next(iter(kwargs))):
+        client.register("a", SPEC, **kwargs)  # type: ignore[arg-type]
+    assert client.status()["tenants"] == []
+    client.register("a", SPEC).close()  # the name was never taken
+
+
+def test_a_pool_that_fails_to_start_gives_its_name_back(
+    kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken_start(self: KVPool) -> None:
+        raise RuntimeError("a bug in the pool's start")
+
+    client = kvd.client()
+    with monkeypatch.context() as patched:
+        patched.setattr(KVPool, "start", broken_start)
+        with pytest.raises(RuntimeError, match="a bug"):
+            client.register("a", SPEC)
+    wait_until(lambda: client.status()["tenants"] == [], 5, "the failed register kept its name")
+    client.register("a", SPEC).close()
+
+
 def test_an_idle_pool_still_tells_the_daemon_it_lives(kvd: RunningDaemon, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pool_agent, "IDLE_HEARTBEAT_S", 1.5)  # 5 s in service
     client, pool = register(kvd)

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from kvdaemon.client import KVClient, KVPool, PoolExhausted  # noqa: E402
 from kvdaemon.client.local_pool import LocalPool  # noqa: E402
-from kvdaemon.errors import BadRequest, DaemonUnreachable  # noqa: E402
+from kvdaemon.errors import BadRequest, Conflict, DaemonUnreachable  # noqa: E402
 from kvdaemon.integrations import hf_attention, stall_watch  # noqa: E402
 from kvdaemon.integrations.hf import Engine, kv_spec_for  # noqa: E402
 
@@ -253,6 +253,24 @@ def test_a_pool_that_does_not_fit_the_model_is_refused(model: Any) -> None:
         with pytest.raises(BadRequest, match="does not fit"):
             Engine(model, wrong)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_pool_another_engine_runs_over_is_refused(client: KVClient, model: Any) -> None:
+    """A second engine once took the first one's sleep hooks: a sleep then unmapped pages under
+    the first engine's step (a segfault)."""
+    pool = daemon_pool(client, model)
+    try:
+        first = Engine(model, pool)
+        with pytest.raises(Conflict, match="already has an engine"):
+            Engine(model, pool)
+        assert pool.quiesce_hook == first._quiesce  # the first keeps its hooks
+        assert first.generate([[1, 2, 3]], 2)
+        first.close()
+        second = Engine(model, pool)  # once the first is closed, another may run over the pool
+        assert second.generate([[1, 2, 3]], 2)
+        second.close()
+    finally:
+        pool.close()
 
 
 def test_max_model_len_defaults_to_the_model_positions(model: Any) -> None:
