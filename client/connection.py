@@ -43,7 +43,7 @@ class KVClient:
     def __init__(self, dir: str | Path | None = None, timeout_s: float = 5.0) -> None:  # noqa: A002
         self.dir = Path(dir) if dir is not None else default_dir()
         self.paths = DaemonPaths(self.dir)
-        self.timeout_s = timeout_s
+        self.timeout_s = check_timeout(timeout_s)
         self.daemon_info: dict[str, Any] | None = None
         self._channel = ControlChannel(self.paths, timeout_s, alive=self._same_daemon)
         self._lock = threading.Lock()
@@ -57,8 +57,11 @@ class KVClient:
     def call(self, op: str, args: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
         """Send one request and return its result; raise the error the daemon replied with.
 
-        ``timeout_s`` (default: the client's) bounds the wait for this reply.
+        ``timeout_s`` (default: the client's) bounds the wait for this reply: a positive
+        number of seconds, checked before anything is sent (``BadRequest``).
         """
+        if timeout_s is not None:
+            check_timeout(timeout_s)
         with self._lock:
             if self._closed:
                 raise PoolClosed("this KVClient is closed")
@@ -344,4 +347,11 @@ def _check_pages_kept(**counts: object) -> None:
     for name, count in counts.items():
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise BadRequest(f"{name} must be a whole number of pages >= 0, got {count!r}")
+
+
+def check_timeout(timeout_s: object) -> float:
+    """``timeout_s`` if it is a positive, finite number of seconds; ``BadRequest`` otherwise."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise BadRequest(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    return float(timeout_s)
 
