@@ -40,7 +40,7 @@ from typing import Any
 import zmq
 
 from kvdaemon.errors import DaemonUnreachable, NoReply
-from kvdaemon.wire.paths import DaemonPaths, check_private_dir
+from kvdaemon.wire.paths import DaemonPaths, check_private_dir, running_pid
 from kvdaemon.wire.protocol import MAX_MESSAGE_BYTES, decode, request, result_of
 
 log = logging.getLogger("kvdaemon.client")
@@ -68,6 +68,14 @@ class ControlChannel:
     def unreachable(self) -> DaemonUnreachable:
         return DaemonUnreachable(
             f"no kvdaemon running at {self.paths.root} — start it with `kvdaemon start`"
+        )
+
+    def _gone(self) -> DaemonUnreachable:
+        """The daemon asked is not the one at the directory now: none runs there, or another."""
+        now = "no kvdaemon runs there now" if running_pid(self.paths) is None else "another took its place"
+        return DaemonUnreachable(
+            f"the kvdaemon at {self.paths.root} went away before it answered ({now}); the request "
+            "may not have been carried out"
         )
 
     def _socket(self) -> zmq.Socket:
@@ -179,10 +187,7 @@ class ControlChannel:
             if not sock.poll(int(max(0.0, min(left_s, ALIVE_POLL_S)) * 1000), zmq.POLLIN):
                 if not self.alive():
                     self._drop()
-                    raise DaemonUnreachable(
-                        f"the kvdaemon at {self.paths.root} went away (or another took its place) "
-                        "before it answered; the request may not have been carried out"
-                    )
+                    raise self._gone()
                 if left_s <= ALIVE_POLL_S:
                     return None
                 continue

@@ -13,7 +13,8 @@ import pytest
 
 from kvdaemon.client import control
 from kvdaemon.client.control import ControlChannel
-from kvdaemon.wire.paths import DaemonPaths
+from kvdaemon.errors import DaemonUnreachable
+from kvdaemon.wire.paths import DaemonPaths, running_pid
 from kvdaemon.wire.protocol import PROTOCOL_VERSION
 
 from tests.conftest import short_dir, start_daemon, wait_until
@@ -41,6 +42,25 @@ def test_a_wait_for_a_stopped_daemon_is_logged_until_it_answers(
         assert answered and answered[0]["pid"] == daemon.pid
     finally:
         os.kill(daemon.pid, signal.SIGCONT)
+        channel.close()
+        daemon.kill()
+        daemon.wait(10)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_daemon_that_dies_before_it_answers_is_said_to_be_gone() -> None:
+    root = short_dir()
+    daemon = start_daemon(root)
+    paths = DaemonPaths(root)
+    channel = ControlChannel(paths, 5.0, alive=lambda: running_pid(paths) is not None)
+    try:
+        os.kill(daemon.pid, signal.SIGSTOP)  # it takes the request and never answers
+        killer = threading.Timer(0.5, lambda: os.kill(daemon.pid, signal.SIGKILL))
+        killer.start()
+        with pytest.raises(DaemonUnreachable, match=r"went away before it answered \(no kvdaemon runs there now\)"):
+            channel.call("hello", {"version": PROTOCOL_VERSION}, 30)
+        killer.join()
+    finally:
         channel.close()
         daemon.kill()
         daemon.wait(10)
