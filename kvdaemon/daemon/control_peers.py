@@ -5,12 +5,19 @@ keeps no bound on how many; when the process runs out of fds there, libzmq
 aborts the whole daemon (an ``accept`` failing with ``EMFILE`` is an assertion
 in its IPC listener). This table follows the socket's monitor (an
 ``ACCEPTED`` event per connection, carrying its fd, and a ``DISCONNECTED``
-when ZeroMQ closes it) and keeps at most ``max_peers`` connections: past that,
-one is shut down at once, the newest of the process holding the most (the one
-that just arrived when its own process holds the most). A process flooding the
-socket so loses its own connections, never another process's, and a new
-client always gets in. ZeroMQ closes a shut-down connection itself; a DEALER
-reconnects later and is counted again.
+when ZeroMQ closes it) and the requests' source fds (``spoke``), and keeps at
+most ``max_peers`` connections. Past that, the oldest connection that has
+never sent a request is shut down at once. A client sends its request as it
+connects, and the loop reads requests before it turns to the monitor, at most
+``batch`` events a round (a quarter of the bound), so a client's connection is
+known to have spoken before a flood could make it the oldest silent one; one
+that has (every client's, an engine's) is never shut down for the bound. A
+flood of silent connections, from one process or from many, so costs its own
+connections only, and new clients still get in. ZeroMQ closes a shut-down
+connection itself; a DEALER reconnects later and is counted again. (A flood
+of connections that each send requests is bounded too, but then each new
+connection is the one shut down: the uid is the trust boundary, and such a
+peer could as well stop the daemon.)
 
 Invariants:
 
@@ -29,8 +36,8 @@ A connection is shut down only while its fd still names the socket accepted
 (same inode), so an fd number ZeroMQ closed and another thread reused is not
 touched.
 
-Cost: one ``SO_PEERCRED`` read and one ``fstat`` per connection; O(1) per
-event (count buckets find the process holding the most).
+Cost: one ``fstat`` and one ``SO_PEERCRED`` read (for the log) per connection;
+O(1) per event and per request.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -51,15 +59,16 @@ from kvdaemon.wire.handles import peer_credentials
 log = logging.getLogger("kvdaemon.daemon.control")
 MONITOR_ENDPOINT = "inproc://kvdaemon-control-monitor"
 MONITOR_QUEUE_EVENTS = 1001  # libzmq's own monitor socket queues 1000, ours 1 (RCVHWM)
-MONITOR_BATCH = 256  # events served per loop round
+MONITOR_BATCH = 256  # events served per loop round, at most
 MIN_PEERS = 64
 UNKNOWN_PID = -1  # a connection whose peer could not be read
 
 
 @dataclass
 class _Peer:
-    pid: int
+    pid: int  # for the log
     inode: int | None  # None: the fd could not be read (already closed)
+    accepted_at: float
 
 
 def peer_cap(num_reserved_fds: int) -> int:
@@ -71,32 +80,37 @@ def peer_cap(num_reserved_fds: int) -> int:
 
 
 class ControlPeers:
-    """The control socket's connections by fd and by peer pid, bounded by ``max_peers``."""
+    """The control socket's connections by fd, those never heard from in accept order."""
 
-    def __init__(self, warnings: LogThrottle) -> None:
+    def __init__(self, warnings: LogThrottle, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_peers = 0  # set by ``start``
+        self.batch = MONITOR_BATCH  # events served per ``drain``: a quarter of the bound, at most this
         self.warnings = warnings
+        self.clock = clock
         self.num_shut = 0  # connections shut down for the bound, since start
         self.monitor: zmq.Socket | None = None
-        self._router: zmq.Socket | None = None
         self._peers: dict[int, _Peer] = {}
-        self._fds_by_pid: dict[int, dict[int, None]] = {}  # pid -> its fds, oldest first
-        self._pids_by_count: dict[int, set[int]] = {}
-        self._max_count = 0
+        self._silent: dict[int, None] = {}  # fds that never sent a request, oldest first
 
     def __len__(self) -> int:
         return len(self._peers)
+
+    @property
+    def num_silent(self) -> int:
+        """Connections that have not sent a request yet."""
+        return len(self._silent)
 
     def start(self, ctx: zmq.Context, router: zmq.Socket, max_peers: int) -> None:
         """Follow ``router``'s accepted and closed connections, keeping at most ``max_peers``;
         poll ``self.monitor`` for them. Call before ``router`` binds."""
         self.max_peers = max_peers
+        self.batch = max(1, min(MONITOR_BATCH, max_peers // 4))
         router.monitor(MONITOR_ENDPOINT, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         monitor = ctx.socket(zmq.PAIR)
         monitor.setsockopt(zmq.RCVHWM, 1)
         monitor.setsockopt(zmq.LINGER, 0)
         monitor.connect(MONITOR_ENDPOINT)
-        self._router, self.monitor = router, monitor
+        self.monitor = monitor
 
     def close(self) -> None:
         """Stop reading the monitor. The router's own close (and the context's term) end it;
@@ -106,72 +120,50 @@ class ControlPeers:
             self.monitor = None
 
     def drain(self) -> None:
-        """Serve up to ``MONITOR_BATCH`` queued events, then shut down what is past the bound."""
+        """Serve up to ``batch`` queued events, shutting down what is past the bound. Read the
+        requests first: a client's connection must be known to have spoken."""
         assert self.monitor is not None
-        for _ in range(MONITOR_BATCH):
+        for _ in range(self.batch):
             try:
                 frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             event = parse_monitor_message(frames)
             if event["event"] == zmq.EVENT_ACCEPTED:
-                self.accepted(event["value"])
+                self.accepted(int(event["value"]))
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self.closed(event["value"])
+                self.closed(int(event["value"]))
 
     def accepted(self, fd: int) -> None:
         """Count the connection ZeroMQ accepted on ``fd``; past the bound, shut one down."""
         if fd in self._peers:  # a close we did not see: count the new connection only
             self.closed(fd)
+        now = self.clock()
         pid, inode = _identify(fd)
-        self._peers[fd] = _Peer(pid, inode)
-        self._fds_by_pid.setdefault(pid, {})[fd] = None
-        self._move(pid, len(self._fds_by_pid[pid]) - 1)
+        self._peers[fd] = _Peer(pid, inode, now)
+        self._silent[fd] = None
         if len(self._peers) > self.max_peers:
-            self._shut_one(pid)
+            self._shut_one(now)
+
+    def spoke(self, fd: int) -> None:
+        """The connection on ``fd`` sent a request: it is a client, never shut for the bound."""
+        self._silent.pop(fd, None)
 
     def closed(self, fd: int) -> None:
         """Forget the connection ZeroMQ closed on ``fd`` (one never counted: nothing)."""
-        peer = self._peers.pop(fd, None)
-        if peer is None:
-            return
-        fds = self._fds_by_pid[peer.pid]
-        del fds[fd]
-        self._move(peer.pid, len(fds) + 1)
-        if not fds:
-            del self._fds_by_pid[peer.pid]
+        if self._peers.pop(fd, None) is not None:
+            self._silent.pop(fd, None)
 
-    def num_held(self, pid: int) -> int:
-        """Connections counted for process ``pid``."""
-        return len(self._fds_by_pid.get(pid, ()))
-
-    def _move(self, pid: int, old_count: int) -> None:
-        """Move ``pid`` from bucket ``old_count`` to its count now; keep ``_max_count`` exact."""
-        new_count = self.num_held(pid)
-        if old_count:
-            bucket = self._pids_by_count[old_count]
-            bucket.discard(pid)
-            if not bucket:
-                del self._pids_by_count[old_count]
-        if new_count:
-            self._pids_by_count.setdefault(new_count, set()).add(pid)
-        if new_count > self._max_count:
-            self._max_count = new_count
-        elif old_count == self._max_count and old_count not in self._pids_by_count:
-            self._max_count = new_count  # the only pid at the top came down by one
-
-    def _shut_one(self, newcomer_pid: int) -> None:
-        """Shut down the newest connection of the process holding the most (the newcomer's on a tie)."""
-        top = self._pids_by_count[self._max_count]
-        pid = newcomer_pid if newcomer_pid in top else next(iter(top))
-        fd = next(reversed(self._fds_by_pid[pid]))
+    def _shut_one(self, now: float) -> None:
+        """Shut down the oldest silent connection (the one just accepted when all others spoke)."""
+        fd = next(iter(self._silent))
         peer = self._peers[fd]
         self.closed(fd)  # ZeroMQ's DISCONNECTED for it then finds nothing
         self.num_shut += 1
         _shut_down(fd, peer.inode)
         self.warnings.warning(
             "control-peers", "control socket: %d connections, the most it keeps: shut down one of "
-            "process %d, which holds %d", self.max_peers, pid, self.num_held(pid) + 1,
+            "process %d that sent no request in %.1f s", self.max_peers, peer.pid, now - peer.accepted_at,
         )
 
 

@@ -161,10 +161,10 @@ class Daemon:
             copies = self.service.sleeper.copies
             while not self._stopping and not self.service.shutdown_requested:
                 events = dict(self._poller.poll(0 if copies.busy else POLL_MS))
-                if events.get(self.control_peers.monitor):
-                    self.control_peers.drain()
                 if events.get(self._router):
                     self._drain_control()
+                if events.get(self.control_peers.monitor):  # after the requests: who spoke is known
+                    self.control_peers.drain()
                 if events.get(self._listener_fd):
                     self.leases.accept()
                 self.leases.handle_events(events)
@@ -193,11 +193,13 @@ class Daemon:
             if time.monotonic() > deadline:
                 return
             try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK)
+                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(frames) < 2:
+            if len(parts) < 2:
                 continue
+            self.control_peers.spoke(parts[-1].get(zmq.SRCFD))  # a client: kept past the bound
+            frames = [part.bytes for part in parts]
             routing_id = frames[0]
             if len(frames) != 2:
                 reply = reply_error(None, BadRequest("a request is exactly one frame"))

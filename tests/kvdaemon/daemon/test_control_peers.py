@@ -1,6 +1,6 @@
-"""``ControlPeers``: the control socket's connections counted, and the newest of the
-process holding the most shut down past the bound (a flood once made libzmq abort
-the daemon on ``EMFILE``)."""
+"""``ControlPeers``: the control socket's connections counted, and past the bound a
+silent one shut down, never one that sent a request (a flood once made libzmq
+abort the daemon on ``EMFILE``)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,17 @@ import resource
 import socket
 import subprocess
 import sys
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 
 import pytest
 
 from kvdaemon.client import KVClient
-from kvdaemon.daemon import control_peers
+from kvdaemon.daemon import control_peers, server
 from kvdaemon.daemon.control_peers import ControlPeers
 from kvdaemon.daemon.log_throttle import LogThrottle
 
-from tests.conftest import RunningDaemon, short_dir, wait_until
+from tests.conftest import RunningDaemon, running_daemon, short_dir, small_spec, wait_until
 
 IO_TIMEOUT_S = 5.0
 
@@ -30,16 +29,24 @@ IO_TIMEOUT_S = 5.0
 # -- helpers ---------------------------------------------------------------------------
 
 
-def peers(max_peers: int) -> ControlPeers:
-    """A table with no monitor: the tests feed it accepts and closes."""
-    table = ControlPeers(LogThrottle(logging.getLogger("test.control_peers")))
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def peers(max_peers: int, clock: Clock | None = None) -> ControlPeers:
+    """A table with no monitor: the tests feed it accepts, requests and closes."""
+    table = ControlPeers(LogThrottle(logging.getLogger("test.control_peers")), clock or Clock())
     table.max_peers = max_peers
     return table
 
 
 @contextmanager
 def connections(num: int) -> Iterator[list[tuple[socket.socket, socket.socket]]]:
-    """``num`` connected pairs ``(ours, far end)``, both ends in this process."""
+    """``num`` connected pairs ``(ours, far end)``: the table is fed ``ours``."""
     pairs = [socket.socketpair() for _ in range(num)]
     try:
         yield pairs
@@ -47,40 +54,6 @@ def connections(num: int) -> Iterator[list[tuple[socket.socket, socket.socket]]]
         for ours, far in pairs:
             ours.close()
             far.close()
-
-
-CONNECTOR = """
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[2])):
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.connect(sys.argv[1])
-    socks.append(s)
-print("connected", flush=True)
-sys.stdin.read()
-"""
-
-
-@contextmanager
-def foreign_connections(num: int) -> Iterator[tuple[int, list[socket.socket]]]:
-    """``num`` connections accepted here from another process; yields its pid and our ends."""
-    path = short_dir() / "l.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(path))
-    listener.listen(num)
-    proc = subprocess.Popen([sys.executable, "-c", CONNECTOR, str(path), str(num)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    accepted: list[socket.socket] = []
-    try:
-        assert proc.stdout is not None and proc.stdout.readline() == "connected\n"
-        accepted = [listener.accept()[0] for _ in range(num)]
-        yield proc.pid, accepted
-    finally:
-        for sock in accepted:
-            sock.close()
-        listener.close()
-        proc.kill()
-        proc.wait()
 
 
 def was_shut(ours: socket.socket) -> bool:
@@ -92,19 +65,35 @@ def was_shut(ours: socket.socket) -> bool:
         return False
 
 
+def reads_eof(sock: socket.socket) -> bool:
+    """Whether ``sock`` reaches EOF now, past whatever the daemon sent first (ZMTP's greeting)."""
+    sock.setblocking(False)
+    try:
+        while sock.recv(4096):
+            pass
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+    return True
+
+
 # -- bookkeeping --------------------------------------------------------------------------
 
 
-def test_connections_are_counted_by_process_and_forgotten_when_closed() -> None:
+def test_connections_are_counted_and_forgotten_when_closed() -> None:
     table = peers(max_peers=8)
     with connections(3) as pairs:
         for ours, _ in pairs:
             table.accepted(ours.fileno())
-        assert len(table) == 3 and table.num_held(os.getpid()) == 3
+        assert len(table) == 3 and table.num_silent == 3
+        table.spoke(pairs[1][0].fileno())
+        table.spoke(12345)  # a request from an fd never counted: nothing
+        assert len(table) == 3 and table.num_silent == 2
         table.closed(pairs[0][0].fileno())
         table.closed(pairs[0][0].fileno())  # a second close of the same fd changes nothing
-        table.closed(12345)  # an fd never counted: nothing
-        assert len(table) == 2 and table.num_held(os.getpid()) == 2
+        table.closed(12345)
+        assert len(table) == 2 and table.num_silent == 1
         assert not any(was_shut(ours) for ours, _ in pairs)
     assert table.num_shut == 0
 
@@ -114,96 +103,84 @@ def test_an_accept_on_an_fd_still_counted_replaces_it() -> None:
     with connections(1) as pairs:
         fd = pairs[0][0].fileno()
         table.accepted(fd)
-        table.accepted(fd)  # its close was not seen: the new connection only
-        assert len(table) == 1 and table.num_held(os.getpid()) == 1
+        table.spoke(fd)
+        table.accepted(fd)  # its close was not seen: the new connection only, silent
+        assert len(table) == 1 and table.num_silent == 1
 
 
-def test_past_the_bound_the_newcomer_of_the_process_holding_most_is_shut_down() -> None:
-    table = peers(max_peers=2)
-    with connections(3) as pairs:
-        for ours, _ in pairs:
-            table.accepted(ours.fileno())
-        assert len(table) == 2 and table.num_shut == 1
-        pairs[2][1].settimeout(IO_TIMEOUT_S)
-        assert pairs[2][1].recv(1) == b"", "the far end of the newest did not see it shut down"
-        assert not was_shut(pairs[0][0]) and not was_shut(pairs[1][0])
-        table.closed(pairs[2][0].fileno())  # ZeroMQ's close of it, reported after: nothing more
-        assert len(table) == 2 and table.num_held(os.getpid()) == 2
-
-
-def test_a_flooding_process_loses_its_own_connections_not_another_process() -> None:
-    table = peers(max_peers=4)
-    with connections(2) as ours, foreign_connections(4) as (flooder_pid, theirs):
-        table.accepted(ours[0][0].fileno())
-        for sock in theirs[:3]:
-            table.accepted(sock.fileno())
-        assert len(table) == 4 and table.num_held(flooder_pid) == 3
-        table.accepted(theirs[3].fileno())  # the flooder's next: its own newest goes
-        assert table.num_held(flooder_pid) == 3 and was_shut(theirs[3])
-        table.accepted(ours[1][0].fileno())  # a newcomer from the light process: the flooder's newest goes
-        assert table.num_held(os.getpid()) == 2 and table.num_held(flooder_pid) == 2
-        assert was_shut(theirs[2]) and not was_shut(theirs[1])
-        assert not was_shut(ours[0][0]) and not was_shut(ours[1][0])
-        assert table.num_shut == 2
-
-
-def test_the_process_holding_most_stays_exact_as_connections_come_and_go() -> None:
+def test_past_the_bound_the_oldest_silent_connection_is_shut_down() -> None:
     table = peers(max_peers=3)
-    with connections(3) as ours, foreign_connections(3) as (other_pid, theirs):
-        for sock in theirs[:2]:
+    with connections(5) as pairs:
+        client, flood = pairs[0][0], [ours for ours, _ in pairs[1:3]]
+        table.accepted(client.fileno())
+        table.spoke(client.fileno())  # a client: its request came
+        for sock in flood:
             table.accepted(sock.fileno())
-        table.accepted(ours[0][0].fileno())
-        for sock in theirs[:2]:
-            table.closed(sock.fileno())  # the other process leaves its lead
-        table.accepted(ours[1][0].fileno())
-        table.accepted(theirs[2].fileno())
-        table.accepted(ours[2][0].fileno())  # past the bound: this process holds 3, the other 1
-        assert table.num_held(os.getpid()) == 2 and table.num_held(other_pid) == 1
-        assert was_shut(ours[2][0]) and not was_shut(theirs[2]) and not was_shut(ours[1][0])
+        table.accepted(pairs[3][0].fileno())  # a newcomer: the oldest silent one makes room
+        pairs[1][1].settimeout(IO_TIMEOUT_S)
+        assert pairs[1][1].recv(1) == b"", "the far end of the oldest silent did not see it shut down"
+        assert was_shut(flood[0]) and not was_shut(pairs[3][0]) and not was_shut(client)
+        table.closed(flood[0].fileno())  # ZeroMQ's close of it, reported after: nothing more
+        table.spoke(pairs[3][0].fileno())
+        table.accepted(pairs[4][0].fileno())
+        assert was_shut(flood[1]) and not was_shut(pairs[4][0])
+        assert len(table) == 3 and table.num_silent == 1 and table.num_shut == 2
+
+
+def test_a_connection_that_sent_a_request_is_never_shut_down() -> None:
+    table = peers(max_peers=2)
+    with connections(4) as pairs:
+        for ours, _ in pairs[:2]:
+            table.accepted(ours.fileno())
+            table.spoke(ours.fileno())
+        for ours, _ in pairs[2:]:
+            table.accepted(ours.fileno())  # only the newcomer is silent: it goes
+            assert was_shut(ours)
+        assert not was_shut(pairs[0][0]) and not was_shut(pairs[1][0])
+        assert len(table) == 2 and table.num_shut == 2
 
 
 def test_an_fd_number_reused_by_another_socket_is_not_shut_down() -> None:
-    table = peers(max_peers=2)
-    with connections(1) as ours, foreign_connections(2) as (other_pid, theirs):
-        for sock in theirs:
-            table.accepted(sock.fileno())
-        table._peers[theirs[1].fileno()].inode = -1  # as if ZeroMQ closed it and the number came back
-        table.accepted(ours[0][0].fileno())  # the other's newest is forgotten, its socket untouched
-        assert table.num_held(other_pid) == 1 and table.num_shut == 1
-        assert not was_shut(theirs[1]) and not was_shut(theirs[0])
+    table = peers(max_peers=1)
+    with connections(2) as pairs:
+        old, newcomer = pairs[0][0], pairs[1][0]
+        table.accepted(old.fileno())
+        table._peers[old.fileno()].inode = -1  # as if ZeroMQ closed it and the number came back
+        table.accepted(newcomer.fileno())  # the old one is forgotten, its socket untouched
+        assert len(table) == 1 and table.num_shut == 1
+        assert not was_shut(old) and not was_shut(newcomer)
 
 
-def test_the_victim_is_always_of_a_process_holding_the_most(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Random accepts and closes from 6 processes against a recount from scratch."""
+def test_victims_are_the_oldest_silent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random accepts, requests and closes against a model kept from scratch."""
     rng = random.Random(7)
-    pid_of: dict[int, int] = {}
     shut_fds: list[int] = []
-    monkeypatch.setattr(control_peers, "_identify", lambda fd: (pid_of[fd], fd))
+    monkeypatch.setattr(control_peers, "_identify", lambda fd: (1, fd))
     monkeypatch.setattr(control_peers, "_shut_down", lambda fd, inode: shut_fds.append(fd))
     table = peers(max_peers=12)
-    open_fds: dict[int, int] = {}  # fd -> pid, in accept order: the model
-    for fd in range(1, 3000):
-        if open_fds and rng.random() < 0.45:
-            gone = rng.choice(list(open_fds))
-            del open_fds[gone]
+    open_fds: list[int] = []  # the model: open fds in accept order
+    spoken: set[int] = set()
+    for fd in range(1, 4000):
+        roll = rng.random()
+        if open_fds and roll < 0.3:
+            gone = open_fds.pop(rng.randrange(len(open_fds)))
+            spoken.discard(gone)
             table.closed(gone)
             continue
-        pid_of[fd] = pid = rng.randrange(6)
-        open_fds[fd] = pid
-        counts = Counter(open_fds.values())
+        if open_fds and roll < 0.5:
+            speaker = rng.choice(open_fds)
+            spoken.add(speaker)
+            table.spoke(speaker)
+            continue
+        open_fds.append(fd)
         table.accepted(fd)
         if len(open_fds) <= 12:
             assert not shut_fds
             continue
         victim = shut_fds.pop()
-        top = max(counts.values())
-        assert counts[open_fds[victim]] == top, (counts, open_fds[victim])
-        if counts[pid] == top:
-            assert victim == fd, "the newcomer's own process holds the most: the newcomer goes"
-        assert victim == max(f for f, p in open_fds.items() if p == open_fds[victim]), "not the newest"
-        del open_fds[victim]
-        assert len(table) == 12
-        assert all(table.num_held(p) == n for p, n in Counter(open_fds.values()).items())
+        assert victim == next(f for f in open_fds if f not in spoken)
+        open_fds.remove(victim)
+        assert len(table) == 12 and table.num_silent == len([f for f in open_fds if f not in spoken])
 
 
 def test_the_cap_leaves_the_monitor_queue_and_half_the_rest() -> None:
@@ -225,6 +202,31 @@ def test_the_daemon_counts_its_control_clients(kvd: RunningDaemon) -> None:
         for client in clients:
             client.close()
     wait_until(lambda: len(kvd.daemon.control_peers) == before, IO_TIMEOUT_S, "closes not seen")
+
+
+def test_a_silent_flood_leaves_clients_and_engines_their_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server, "_control_peer_cap", lambda: 16)
+    with running_daemon("64MiB") as kvd:
+        engine = kvd.client()
+        pool = engine.register("a", small_spec())
+        pool.alloc(1)
+        flood: list[socket.socket] = []
+        try:
+            for _ in range(200):  # connections that never speak (nor ZMTP): past the bound many times
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(str(kvd.daemon.paths.control_socket))
+                flood.append(sock)
+            wait_until(lambda: kvd.daemon.control_peers.num_shut >= 200 - 16, IO_TIMEOUT_S, "the flood stayed")
+            assert len(kvd.daemon.control_peers) <= 16
+            with closing(KVClient(kvd.dir, timeout_s=IO_TIMEOUT_S)) as newcomer:
+                assert [t["name"] for t in newcomer.status()["tenants"]] == ["a"]  # a new client gets in
+            assert engine.status()["tenants"][0]["mapped_bytes"] > 0  # the engine's client was kept
+            pool.lease.heartbeat(active=True)  # and so was its lease's control connection
+            assert sum(reads_eof(sock) for sock in flood) >= 200 - 16
+        finally:
+            for sock in flood:
+                sock.close()
+        pool.close()
 
 
 FLOOD_LIMIT = 6144  # the daemon's fd limit: the flood opens more connections than that
