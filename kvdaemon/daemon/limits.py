@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -119,6 +120,37 @@ BY_OWNER = "by the tenant itself"
 OWN_LOG_INTERVAL_S = 10.0  # a tenant's own limit changes: at most one log line per interval
 
 
+ADMIN_LOG_BURST = 30  # an admin's limit changes logged per window; past it counted, told with the next line
+ADMIN_LOG_WINDOW_S = 10.0
+
+
+class AdminLines:
+    """Every admin limit change is logged, up to ``ADMIN_LOG_BURST`` lines per
+    ``ADMIN_LOG_WINDOW_S`` (a peer changing limits in a loop once wrote 100 KB/s);
+    the ones past it are counted and told with the next line. O(1)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.window_start = float("-inf")
+        self.num_logged = 0
+        self.num_unlogged = 0
+
+    def due(self) -> bool:
+        now = self.clock()
+        if now - self.window_start >= ADMIN_LOG_WINDOW_S:
+            self.window_start, self.num_logged = now, 0
+        if self.num_logged < ADMIN_LOG_BURST:
+            self.num_logged += 1
+            return True
+        self.num_unlogged += 1
+        return False
+
+    def unlogged(self) -> str:
+        """`` (N more ... not logged)``, and resets the count."""
+        count, self.num_unlogged = self.num_unlogged, 0
+        return f" ({count} more admin limit changes before this one, not logged)" if count else ""
+
+
 def _log_due(tenant: Tenant, by_owner: bool) -> bool:
     """Whether this change is logged: an admin's always; a tenant's own at most once per
     ``OWN_LOG_INTERVAL_S`` (a tenant changing its limits in a loop cannot flood the log),
@@ -151,6 +183,7 @@ class Limiter:
         self.grants = grants
         self.leases = leases
         self.capacity_bytes = capacity_bytes
+        self.admin_lines = AdminLines()
 
     def for_registration(self, name: str, own: OwnLimits) -> Bounded:
         """The limits a tenant ``name`` asking ``own`` gets; ``NoMemory`` if its min does not fit
@@ -252,9 +285,11 @@ class Limiter:
             self.policies.store(name, layer)
             warnings = self._unfit(name, bounded)
             # unsettled: a removed field reads 'max none', which says what it overrides
-            log.log(logging.WARNING if warnings else logging.INFO,
-                    "policy of %s (not registered) is now %s%s; applied when it registers%s",
-                    name, policy.describe(), _clamps(bounded), "".join(f"; {w}" for w in warnings))  # fmt: skip
+            if self.admin_lines.due():
+                log.log(logging.WARNING if warnings else logging.INFO,
+                        "policy of %s (not registered) is now %s%s; applied when it registers%s%s",
+                        name, policy.describe(), _clamps(bounded), "".join(f"; {w}" for w in warnings),
+                        self.admin_lines.unlogged())  # fmt: skip
             return {"result": "stored", "registered": False, "revision": None, "changed": True,
                     **self._report(name, bounded, registered=False), "warnings": warnings}  # fmt: skip
         assert tenant.own is not None
@@ -300,18 +335,23 @@ class Limiter:
         before = tenant.current_limits()
         commit_limit(plan)
         self.tenants.changed()  # a weight or minimum moves the fair shares
+        by_owner = by == BY_OWNER
         if plan.changed:
             notify(self.leases, tenant.tenant_id, LimitNotice(**tenant.limits()))  # the pool pays any debt
-            if _log_due(tenant, by_owner=by == BY_OWNER):
+            if _log_due(tenant, by_owner) if by_owner else self.admin_lines.due():
                 log.info("limits of %s set %s: %s (was %s; revision %d)%s%s%s", tenant.name, by,
                          describe_limits(plan.limits), describe_limits(before), plan.revision,
-                         _clamps(bounded), _owing(tenant), _unlogged(tenant))  # fmt: skip
-        elif by != BY_OWNER:  # the operator's word is always logged, also when it changes no limit
+                         _clamps(bounded), _owing(tenant), self._unlogged(tenant, by_owner))  # fmt: skip
+        elif not by_owner and self.admin_lines.due():  # the operator's word, also when it changes no limit
             log.info("limits of %s unchanged %s: %s (revision %d)%s%s", tenant.name, by,
-                     describe_limits(plan.limits), plan.revision, _clamps(bounded), _unlogged(tenant))
+                     describe_limits(plan.limits), plan.revision, _clamps(bounded), self._unlogged(tenant, False))
         report = self._report(tenant.name, bounded, registered=True)
         return {"result": "applied", "registered": True, "revision": plan.revision,
                 "changed": plan.changed, **report}  # fmt: skip
+
+    def _unlogged(self, tenant: Tenant, by_owner: bool) -> str:
+        """What went unlogged before this line: the tenant's own changes, and an admin's."""
+        return _unlogged(tenant) + ("" if by_owner else self.admin_lines.unlogged())
 
     def _check_policy(self, name: str, policy: Policy) -> None:
         settled = policy.settled()

@@ -237,6 +237,26 @@ def test_a_tenant_changing_its_own_limits_in_a_loop_logs_a_line_per_interval(
     assert "by the tenant itself" in last and "more of its own" not in last
 
 
+def test_an_admin_changing_limits_in_a_loop_logs_a_burst_then_counts(
+    h: Harness, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer alternating limits of one name wrote a line per call (100 KB/s of log)."""
+    caplog.set_level(logging.INFO, logger="kvdaemon.limits")
+    h.register("a")
+    for i in range(100):
+        h.ok("set_limit", name="ghost", max_bytes=(i % 2 + 1) * MiB)  # not registered
+        h.ok("set_limit", name="a", max_bytes=(i % 2 + 1) * MiB)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvdaemon.limits"]
+    assert len(lines) == limits.ADMIN_LOG_BURST, len(lines)
+    monkeypatch.setattr(limits, "ADMIN_LOG_WINDOW_S", 0.0)  # the window has passed
+    h.ok("set_limit", name="a", max="50%")
+    last = caplog.records[-1].getMessage()
+    assert "limits of a set by an admin" in last
+    assert f"({200 - limits.ADMIN_LOG_BURST} more admin limit changes before this one, not logged)" in last
+    h.ok("set_limit", name="ghost", max="10%")
+    assert "not logged" not in caplog.records[-1].getMessage()
+
+
 def test_a_policy_set_with_limit_is_kept_for_the_next_daemon(tmp_path: Path) -> None:
     first = Harness(policies=PolicyBook({}, policy_path(tmp_path)))
     try:
