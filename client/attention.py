@@ -57,18 +57,29 @@ def store_kv(
 ) -> None:
     """Write ``key[t]`` / ``value[t]`` into slot ``slot_mapping[t]`` of the caches, in place.
 
-    ``key``/``value``: ``[num_tokens, num_kv_heads, head_dim]``, cast to the cache
-    dtype; ``slot_mapping``: ``[num_tokens]`` integers, ``block_id * block_size +
-    offset``; a negative slot skips its token (padding). Slots must be distinct.
-    Exactly the named slots change. Raises ``BadRequest`` on a shape, dtype or
-    device mismatch and, off the Triton path, on a slot past the cache.
+    ``key``/``value``: ``[num_tokens, num_kv_heads, head_dim]`` of a real floating
+    dtype, cast to the cache dtype; ``slot_mapping``: ``[num_tokens]`` integers,
+    ``block_id * block_size + offset``; a negative slot skips its token (padding).
+    Exactly the named slots change. Slots should be distinct: a slot named twice
+    is not refused (that check would cost a pass over the slots); what it then
+    holds is unspecified among the K/V of the tokens naming it (torch's indexed
+    writes and the Triton kernel do not order duplicates; on CUDA even a mix of
+    those rows, and K and V from different tokens). The write records no
+    autograd history, whatever ``key``/``value`` require: the caches never
+    require grad. Raises ``BadRequest`` for an argument that is not a tensor,
+    on a shape, dtype or device mismatch and, off the Triton path, on a slot
+    past the cache.
     Cost: one indexed write of ``num_tokens`` rows per cache.
     """
+    _check_tensors(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     _check_cache_pair(k_cache, v_cache)
     _, _, num_kv_heads, head_dim = k_cache.shape
     for name, t in (("key", key), ("value", value)):
         if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
             raise BadRequest(f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}], got {list(t.shape)}")
+        if not t.dtype.is_floating_point:  # complex and integer K/V would be cast silently (complex: lossy)
+            raise BadRequest(f"{name} must be a real floating dtype (cast to the cache's {k_cache.dtype}), "
+                             f"got {t.dtype}")
     if key.shape[0] != value.shape[0] or slot_mapping.shape != (key.shape[0],):
         raise BadRequest(
             f"key {list(key.shape)}, value {list(value.shape)} and slot_mapping "
@@ -77,10 +88,12 @@ def store_kv(
     _check_index(slot_mapping, "slot_mapping")
     _check_devices(k_cache, key=key, value=value, slot_mapping=slot_mapping)
     triton_ops = _triton_ops() if k_cache.is_cuda and k_cache.dtype in _TRITON_DTYPES else None
-    if triton_ops is not None:
-        triton_ops.store_kv(key, value, k_cache, v_cache, slot_mapping)
-        return
-    torch_attention.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    store = torch_attention.store_kv if triton_ops is None else triton_ops.store_kv
+    if torch.is_grad_enabled():  # an in-place write of K/V that require grad would make the caches require it
+        with torch.no_grad():
+            store(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store(key, value, k_cache, v_cache, slot_mapping)
 
 
 # --- paged_attention ------------------------------------------------------------------
@@ -111,9 +124,14 @@ def paged_attention(
     ``sliding_window`` (a positive int) and ``softcap`` (a positive float), see
     the module docstring; either one means the torch path.
 
-    Raises ``BadRequest`` on shape, dtype, device or GQA mismatches; the torch
-    path also checks the index values (ragged offsets, lengths, block ids), the
-    Triton path does not, to stay free of host syncs: an out-of-range block id
+    It computes no gradients: with grad enabled, a query or cache that requires
+    grad is ``BadRequest`` (call it under ``torch.no_grad()`` or
+    ``torch.inference_mode()``); the output never requires grad.
+
+    Raises ``BadRequest`` for an argument that is not a tensor, on shape, dtype,
+    device or GQA mismatches; the torch path also checks the index values
+    (ragged offsets, lengths, block ids), the Triton path does not, to stay
+    free of host syncs: an out-of-range block id
     there is a device fault. Cost: the Triton path reads each context's K/V once
     per tile of new tokens; the torch path copies it once more (see
     :mod:`kvdaemon.client.torch_attention`).
@@ -179,7 +197,10 @@ def _check_attention_args(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
 ) -> None:
-    """Shapes, dtypes and devices of ``paged_attention``'s arguments (no host sync)."""
+    """Types, shapes, dtypes, devices and grad of ``paged_attention``'s arguments (no host sync)."""
+    _check_tensors(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                   seq_lens=seq_lens, query_start_loc=query_start_loc)
+    _check_no_grad(query=query, k_cache=k_cache, v_cache=v_cache)
     _check_cache_pair(k_cache, v_cache)
     _, _, num_kv_heads, head_dim = k_cache.shape
     if query.dim() != 3 or query.shape[2] != head_dim:
@@ -226,6 +247,26 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
     if k_cache.dtype not in _FLOAT_DTYPES:
         raise BadRequest(f"cache dtype {k_cache.dtype} is not one of {_FLOAT_DTYPES}")
+
+
+def _check_tensors(**tensors: object) -> None:
+    """Every argument a ``torch.Tensor``; else ``BadRequest`` naming the first that is not."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise BadRequest(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_no_grad(**tensors: torch.Tensor) -> None:
+    """``BadRequest`` when grad is enabled and one of ``tensors`` requires it: the kernels record
+    no autograd history (the fused decode writes its output in place), so a gradient would be wrong."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t.requires_grad:
+            raise BadRequest(
+                f"paged_attention computes no gradients, but {name} requires grad: call it under "
+                "torch.no_grad() or torch.inference_mode() (or pass a detached tensor)"
+            )
 
 
 def _check_index(t: torch.Tensor, name: str) -> None:

@@ -120,7 +120,11 @@ class BlockManager:
     # -- accounting ------------------------------------------------------------
 
     def __contains__(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
+        """Whether ``seq_id`` is a live sequence (an unhashable id never is)."""
+        try:
+            return seq_id in self._seqs
+        except TypeError:
+            return False
 
     def __len__(self) -> int:
         """Number of live sequences."""
@@ -164,7 +168,10 @@ class BlockManager:
 
         What a pool's agent calls when the daemon wants pages back: emptied
         pages become spare and can be returned. Returns the blocks evicted.
+        ``BadRequest`` (nothing evicted) unless ``num_blocks`` is an int >= 0.
         """
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise BadRequest(f"evict_cached takes a count of blocks >= 0, got {num_blocks!r}")
         victims = self.cache.evict(min(num_blocks, self.cache.num_evictable))
         if victims:
             self.source.free(victims)
@@ -202,17 +209,20 @@ class BlockManager:
         could be taken too (they are allocated and given straight back, so they
         stay free in the source: mapped, or cached blocks evicted for them;
         O(headroom) more per admission, nothing when it is refused).
-        Raises PoolExhausted (nothing changed) or BadRequest for a live ``seq_id``.
+        Raises PoolExhausted (nothing changed), or BadRequest (nothing changed) for
+        a live or unhashable ``seq_id``, token ids that are not int64 integers or
+        ``headroom_blocks`` that is not an int >= 0.
         """
-        if seq_id in self._seqs:
-            raise BadRequest(f"sequence {seq_id!r} already exists")
+        self._check_new(seq_id)
+        if isinstance(headroom_blocks, bool) or not isinstance(headroom_blocks, int) or headroom_blocks < 0:
+            raise BadRequest(f"headroom_blocks must be an integer >= 0, got {headroom_blocks!r}")
         tokens = token_array(token_ids).tolist()
         hits, chain = self._match_prefix(tokens)
         for block_id in hits:
             self.cache.acquire(block_id)
         num_fresh = self._blocks_for(len(tokens)) - len(hits)
         try:
-            fresh = self._allocate(num_fresh + max(0, headroom_blocks))
+            fresh = self._allocate(num_fresh + headroom_blocks)
         except KVDaemonError:  # whatever the source refused with (exhausted, unreachable, asleep): no hit kept
             for block_id in reversed(hits):
                 self.cache.release(block_id)
@@ -252,8 +262,7 @@ class BlockManager:
     def fork(self, src_seq_id: Hashable, new_seq_id: Hashable) -> None:
         """A new sequence with the same tokens: full blocks shared, the partial last block copied."""
         src = self._get(src_seq_id)
-        if new_seq_id in self._seqs:
-            raise BadRequest(f"sequence {new_seq_id!r} already exists")
+        self._check_new(new_seq_id)
         partial = src.num_tokens % self.block_size != 0
         shared = src.blocks[:-1] if partial else list(src.blocks)
         fresh = self._allocate(1) if partial else []
@@ -270,10 +279,22 @@ class BlockManager:
     # -- internals -------------------------------------------------------------
 
     def _get(self, seq_id: Hashable) -> _Sequence:
-        seq = self._seqs.get(seq_id)
+        try:
+            seq = self._seqs.get(seq_id)
+        except TypeError:  # unhashable: never a sequence
+            seq = None
         if seq is None:
             raise BadRequest(f"unknown sequence {seq_id!r}")
         return seq
+
+    def _check_new(self, seq_id: Hashable) -> None:
+        """BadRequest unless ``seq_id`` can name a new sequence: hashable and not live."""
+        try:
+            live = seq_id in self._seqs
+        except TypeError:
+            raise BadRequest(f"a sequence id must be hashable, got {type(seq_id).__name__} {seq_id!r}") from None
+        if live:
+            raise BadRequest(f"sequence {seq_id!r} already exists")
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -66,6 +66,10 @@ class LocalPool:
             raise BadRequest(f"layer {layer} is outside the pool's {self.spec.num_layers} layers")
         return layer
 
+    def _is_live(self, block_id: object) -> bool:
+        """Whether ``block_id`` is an int id of an allocated block (a bool is not an id)."""
+        return type(block_id) is int and 0 <= block_id < self.num_blocks and bool(self._allocated[block_id])
+
     def alloc(self, num_blocks: int) -> list[int]:
         """``num_blocks`` free block ids; ``PoolExhausted`` with nothing taken when short."""
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
@@ -79,11 +83,13 @@ class LocalPool:
         return taken
 
     def free(self, block_ids: list[int]) -> None:
-        """Return blocks; BadRequest (nothing freed) on an unknown, repeated or free id."""
+        """Return blocks (a list or tuple of ints); BadRequest (nothing freed) for anything else
+        and on an unknown, repeated or free id."""
+        _check_id_list(block_ids, "free() takes")
         seen = set()
         for block_id in block_ids:
-            if not 0 <= block_id < self.num_blocks or not self._allocated[block_id] or block_id in seen:
-                raise BadRequest(f"block {block_id} is not allocated in this pool")
+            if not self._is_live(block_id) or block_id in seen:
+                raise BadRequest(f"block {block_id!r} is not allocated in this pool")
             seen.add(block_id)
         for block_id in block_ids:
             self._allocated[block_id] = 0
@@ -91,13 +97,19 @@ class LocalPool:
 
     def free_later(self, block_ids: list[int]) -> None:
         """Free blocks now, dropping ids that are not allocated (a finalizer's call: never raises)."""
-        live = [b for b in dict.fromkeys(block_ids) if 0 <= b < self.num_blocks and self._allocated[b]]
+        live = [b for b in dict.fromkeys(block_ids) if self._is_live(b)]
         self.free(live)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy K and V of every layer from ``src[i]`` to ``dst[i]``."""
+        """Copy K and V of every layer from ``src[i]`` to ``dst[i]``; BadRequest (nothing copied)
+        unless both are lists (or tuples) of allocated ids of equal length."""
+        _check_id_list(src, "copy_blocks: src must be")
+        _check_id_list(dst, "copy_blocks: dst must be")
         if len(src) != len(dst):
             raise BadRequest(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
+        for block_id in (*src, *dst):
+            if not self._is_live(block_id):
+                raise BadRequest(f"copy_blocks: block {block_id!r} is not an allocated block of this pool")
         if not src:
             return
         index_src = torch.tensor(src, device=self._caches[0].device)
@@ -113,3 +125,10 @@ class LocalPool:
 
     def note_activity(self) -> None:
         """No daemon to tell: nothing to do."""
+
+
+def _check_id_list(block_ids: object, what: str) -> None:
+    """BadRequest (``what`` names the call) unless ``block_ids`` is a list or tuple."""
+    if not isinstance(block_ids, (list, tuple)):
+        hint = " (pass .tolist())" if hasattr(block_ids, "tolist") else ""
+        raise BadRequest(f"{what} a list of block ids, got {type(block_ids).__name__}{hint}")

@@ -44,7 +44,7 @@ from kvdaemon.client.pool_agent import PoolAgent
 from kvdaemon.client.pool_core import PoolCore
 from kvdaemon.client.pool_state import PoolState
 from kvdaemon.client.spec import KVSpec
-from kvdaemon.errors import BackendError, BadRequest, DaemonUnreachable, NoReply, PoolClosed, UnknownTenant
+from kvdaemon.errors import Asleep, BackendError, BadRequest, DaemonUnreachable, NoReply, PoolClosed, UnknownTenant
 
 if TYPE_CHECKING:
     import torch
@@ -251,11 +251,21 @@ class KVPool:
         """Copy K and V of every layer from blocks ``src`` to blocks ``dst``.
 
         Every id must be a block this pool handed out and not freed (so its pages
-        are mapped): anything else is ``BadRequest`` and nothing is copied.
+        are mapped): anything else, or ``src``/``dst`` not lists (or tuples) of
+        ids, is ``BadRequest`` and nothing is copied. Asleep, the blocks' pages
+        are not mapped: ``Asleep`` (nothing copied) unless the pool has
+        ``auto_wake``, which wakes it first (as ``alloc`` does).
         """
         import torch
 
         self._check_open()
+        for name, ids in (("src", src), ("dst", dst)):
+            if not isinstance(ids, (list, tuple)):
+                raise BadRequest(f"copy_blocks: {name} must be a list of block ids, got {type(ids).__name__}")
+        if self.core.state.asleep:
+            if not self.auto_wake:
+                raise Asleep(f"copy_blocks: pool {self.name!r} is {self.core.state.value}; wake it first")
+            self.wake()
         if len(src) != len(dst):
             raise BadRequest(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
         allocator = self.core.allocator
@@ -421,12 +431,15 @@ class KVPool:
     def free(self, block_ids: list[int]) -> None:
         """Return blocks. Local: never waits on the daemon, never fails for valid ids.
 
-        Raises ``TypeError`` for anything but a list of ints, ``BadRequest``
-        (nothing freed) for an id that is not allocated, ``PoolClosed`` after
-        close. Takes only the block gate unless a lock holder has it.
+        ``block_ids``: a list (or tuple) of ints, as ``alloc`` returns them.
+        Raises ``BadRequest`` (nothing freed) for anything else (one int, ``None``,
+        a tensor or array: pass ``.tolist()``) and for an id that is not
+        allocated, ``PoolClosed`` after close. Takes only the block gate unless a
+        lock holder has it.
         """
         if type(block_ids) is not list and not isinstance(block_ids, tuple):
-            raise TypeError(f"free() takes a list of block ids, got {type(block_ids).__name__}")
+            hint = " (pass .tolist())" if hasattr(block_ids, "tolist") else ""
+            raise BadRequest(f"free() takes a list of block ids, got {type(block_ids).__name__}{hint}")
         core = self.core
         gate = self._gate
         try:

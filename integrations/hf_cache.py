@@ -21,6 +21,10 @@ Semantics:
   ``with PagedCache(pool) as cache:`` closes on exit. A cache collected without
   ``close()`` hands its blocks to the pool's ``free_later`` (freed by the pool's
   agent within a heartbeat; at once on a ``LocalPool``). The pool is the caller's.
+- No gradients: a forward with grad enabled whose K/V require grad is
+  ``BadRequest`` before anything is written (run it under ``torch.no_grad()``
+  or ``torch.inference_mode()``, as ``generate`` does), so the pool's tensors
+  never require grad.
 - Unsupported (``BadRequest``): beam search (``reorder_cache``), cropping
   (assisted decoding), re-batching a non-empty cache, a pool whose K/V shape
   or dtype differs from what the model's layers give, or with fewer layers
@@ -254,6 +258,11 @@ class PagedCache(Cache):
             raise BadRequest("PagedCache is closed")
         if not 0 <= layer_idx < len(self.layers):
             raise BadRequest(f"layer {layer_idx} is outside the pool's {len(self.layers)} layers")
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            raise BadRequest(  # the in-place write would make the pool's tensors require grad, for good
+                "PagedCache records no gradients, but the K/V states require grad: run the model under "
+                "torch.no_grad() or torch.inference_mode() (model.generate does)"
+            )
         return self.layers[layer_idx].update(key_states, value_states)
 
     # -- shared by the layers ----------------------------------------------------

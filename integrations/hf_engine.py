@@ -23,7 +23,8 @@ Guarantees:
   batching, chunk size, prefix sharing or preemption: a preempted request
   recomputes its whole context.
 - A request longer than ``max_model_len`` (by default the model's
-  ``max_position_embeddings``; with ``attention_impl="triton"``, which has no
+  ``max_position_embeddings``; one asked for may exceed it, see
+  ``_max_model_len``; with ``attention_impl="triton"``, which has no
   sliding window, at most the model's shortest window) or than the pool's
   virtual capacity is refused by ``add_request``, never failed mid-generation.
 - ``PoolExhausted`` never escapes ``step``: the scheduler preempts or waits.
@@ -59,8 +60,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
-
 from kvdaemon.client.block_manager import BlockManager
 from kvdaemon.client.engine_pool import EnginePool
 from kvdaemon.client.spec import KVSpec
@@ -80,7 +79,8 @@ def kv_spec_for(model: Any, block_size: int = 16, dtype: Any = None) -> KVSpec:
 
     Layers, KV heads, head dim and dtype (unless ``dtype`` is given) are those of
     the K/V the attention layers compute (``hf_probe.probe_layout``); BadRequest,
-    naming the family, when they cannot be determined.
+    naming the family, when they cannot be determined, and for anything but a
+    transformers model (a name or a config: build the model first).
     """
     return hf_probe.probe_layout(model).kv_spec(block_size, dtype)
 
@@ -105,6 +105,7 @@ class Engine:
         if not isinstance(pool, EnginePool):
             raise BadRequest(f"{type(pool).__name__} is not a pool the engine can run over (see EnginePool)")
         _check_unclaimed(pool)
+        stops = None if stop_token_ids is None else _stop_ids(stop_token_ids)
         layout = hf_probe.probe_layout(model)
         self._check_pool(model, layout, pool)
         self.max_model_len = _max_model_len(model, max_model_len, layout, attention_impl)
@@ -113,7 +114,7 @@ class Engine:
         self.pool = pool
         self.clock = clock
         self.attention_impl = attention_impl
-        self.stop_token_ids = frozenset(_default_stops(model) if stop_token_ids is None else stop_token_ids)
+        self.stop_token_ids = frozenset(_default_stops(model)) if stops is None else stops
         self.manager = BlockManager(pool, enable_prefix_cache=enable_prefix_cache,
                                     scarce_free_blocks=getattr(pool, "scarce_free_blocks", None))
         self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs,
@@ -163,7 +164,9 @@ class Engine:
     ) -> Request:
         """Queue a request; it joins a batch at a coming step. BadRequest (nothing queued) on bad input.
 
-        ``arrival_s`` (engine clock) backdates the arrival, for replaying traces.
+        ``stop_token_ids``: a collection of token ids (not one int) that end the
+        request, else the engine's. ``arrival_s`` (engine clock) backdates the
+        arrival, for replaying traces.
         """
         if self._closed:
             raise BadRequest("the engine is closed")
@@ -178,7 +181,7 @@ class Engine:
             raise BadRequest(
                 f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed max_model_len {self.max_model_len}"
             )
-        stops = self.stop_token_ids if stop_token_ids is None else frozenset(stop_token_ids)
+        stops = self.stop_token_ids if stop_token_ids is None else _stop_ids(stop_token_ids)
         request = Request(
             self._next_request_id, prompt, max_new_tokens, stops,
             self.clock() if arrival_s is None else arrival_s,
@@ -188,10 +191,21 @@ class Engine:
         return request
 
     def abort(self, request: Request) -> None:
-        """Drop an unfinished request; its blocks go back (cached full blocks stay cached)."""
+        """Drop an unfinished request; its blocks go back (cached full blocks stay cached).
+
+        A finished request is left as it is (aborting twice is a no-op).
+        ``BadRequest`` (nothing changed) for anything but a ``Request`` of this
+        engine's ``add_request``: an unfinished one it does not hold is another
+        engine's. O(requests).
+        """
+        if not isinstance(request, Request):
+            raise BadRequest(f"abort takes a Request that add_request returned, got {type(request).__name__}")
         with self._step_lock:
-            if not request.finished:
-                self.scheduler.abort(request)
+            if request.finished:
+                return
+            if request not in self.scheduler.running and request not in self.scheduler.waiting:
+                raise BadRequest(f"request {request.request_id} is not one of this engine's (another engine's?)")
+            self.scheduler.abort(request)
 
     @property
     def has_unfinished(self) -> bool:
@@ -366,8 +380,13 @@ def _max_model_len(
 ) -> int | None:
     """``asked``, else the model's ``max_position_embeddings`` (``None``: no limit known).
 
-    With ``impl="triton"``, which has no sliding window, at most the shortest
-    window: there it cannot bind, so the model runs exactly.
+    An ``asked`` length past ``max_position_embeddings`` is taken as asked, by
+    design: many models run past it (RoPE extrapolates; rope scaling, or a
+    config that understates what the model was tuned for), and the caller who
+    asks knows the model; requests are still bounded by the pool's virtual
+    capacity (``add_request``). With ``impl="triton"``, which has no sliding
+    window, at most the shortest window: there it cannot bind, so the model
+    runs exactly.
     """
     if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked <= 0):
         raise BadRequest(f"max_model_len must be a positive integer, got {asked!r}")
@@ -389,6 +408,28 @@ def _default_stops(model: Any) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
+
+
+def _stop_ids(stop_token_ids: Any) -> frozenset[int]:
+    """``stop_token_ids`` (a collection of integer ids: a list, set, tuple, 1-D tensor or array) as a
+    frozenset; ``BadRequest`` for one int, text, or an element that is not an integer id >= 0."""
+    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__") \
+            or getattr(stop_token_ids, "ndim", 1) != 1:  # fmt: skip
+        raise BadRequest(
+            f"stop_token_ids must be a collection of token ids (for one id, pass [id]), got {stop_token_ids!r}"
+        )
+    if hasattr(stop_token_ids, "tolist"):  # a tensor or an array: its elements as Python numbers
+        stop_token_ids = stop_token_ids.tolist()
+    stops = []
+    for token in stop_token_ids:
+        try:
+            value = operator.index(token) if not isinstance(token, bool) else -1
+        except TypeError:
+            value = -1
+        if value < 0:
+            raise BadRequest(f"stop_token_ids must hold token ids (integers >= 0), got {token!r}")
+        stops.append(value)
+    return frozenset(stops)
 
 
 def _token_list(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:

@@ -148,7 +148,9 @@ def _record(
 
 
 def probe_layout(model: Any) -> AttentionLayout:
-    """The layout of ``model``'s attention, from one recorded forward; BadRequest if it cannot be found."""
+    """The layout of ``model``'s attention, from one recorded forward; BadRequest if it cannot be found
+    (or if ``model`` is not a transformers model: a ``torch.nn.Module`` with a ``config`` and parameters)."""
+    _check_model(model)
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
         raise refusal(model, "it is an encoder-decoder; the engine serves decoder-only models")
@@ -172,6 +174,19 @@ def probe_layout(model: Any) -> AttentionLayout:
         config._attn_implementation = previous
         _RECORDING.reset(token)
     return _layout_of(model, recording.calls)
+
+
+def _check_model(model: Any) -> None:
+    """BadRequest unless ``model`` is a transformers model (a module with a config and parameters)."""
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        if next(model.parameters(), None) is None:
+            raise BadRequest(f"{type(model).__name__} has no parameters: a transformers model is needed")
+        return
+    what = type(model).__name__
+    hint = (" (a config: build the model from it first, e.g. AutoModelForCausalLM.from_config(config))"
+            if hasattr(model, "to_dict") and hasattr(model, "model_type") else "")
+    raise BadRequest(f"a transformers model (e.g. AutoModelForCausalLM.from_pretrained(...)) is needed, "
+                     f"got {what}{hint}")
 
 
 def _layout_of(model: Any, calls: list[_Call]) -> AttentionLayout:

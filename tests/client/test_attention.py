@@ -233,6 +233,54 @@ def test_store_kv_rejects_float_slots_and_mismatched_caches() -> None:
         store_kv(key, key, k_cache, torch.zeros(6, 4, 2, 4), torch.tensor([0, 1]))
 
 
+def test_store_kv_refuses_non_tensors_and_keys_that_are_not_real_floats() -> None:
+    k_cache, v_cache, key = torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8), torch.randn(2, 2, 8)
+    slots = torch.tensor([0, 1])
+    calls = {
+        "slot_mapping must be a torch.Tensor, got list": (key, key, k_cache, v_cache, [0, 1]),
+        "k_cache must be a torch.Tensor, got NoneType": (key, key, None, v_cache, slots),
+        "v_cache must be a torch.Tensor, got NoneType": (key, key, k_cache, None, slots),
+        "key must be a torch.Tensor, got list": (key.tolist(), key, k_cache, v_cache, slots),
+        "key must be a real floating dtype": (key.to(torch.complex64), key, k_cache, v_cache, slots),
+        "value must be a real floating dtype": (key, key.long(), k_cache, v_cache, slots),
+    }
+    for message, args in calls.items():
+        with pytest.raises(BadRequest, match=message):
+            store_kv(*args)  # type: ignore[arg-type]
+    assert not k_cache.any() and not v_cache.any(), "a refused write changed the cache"
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_store_kv_of_keys_that_require_grad_leaves_the_caches_without_grad(contiguous: bool) -> None:
+    """A forward run with grad enabled: the write records no history, so attention keeps working."""
+    batch = make_batch([(8, 8)], block_size=4, num_heads=4, num_kv_heads=2, head_dim=8, seed=6)
+    k_cache, v_cache = (torch.zeros(2 * batch.k_cache.shape[0], *batch.k_cache.shape[1:]) for _ in range(2))
+    if not contiguous:  # every other block: the index_put_ path
+        k_cache, v_cache = k_cache[::2], v_cache[::2]
+    else:
+        k_cache, v_cache = k_cache[: batch.k_cache.shape[0]], v_cache[: batch.k_cache.shape[0]]
+    key = batch.keys[0].clone().requires_grad_()
+    value = batch.values[0].clone().requires_grad_()
+    pos = torch.arange(8)
+    store_kv(key, value, k_cache, v_cache, batch.block_tables[0, pos // 4].long() * 4 + pos % 4)
+    assert not k_cache.requires_grad and not v_cache.requires_grad
+    assert not k_cache._base.requires_grad and not v_cache._base.requires_grad
+    batch.k_cache, batch.v_cache = k_cache, v_cache
+    out = paged_attention(*batch.args())  # prefill: failed in index_select on a cache that required grad
+    assert not out.requires_grad
+    assert_close(out, batch)
+
+
+def test_duplicate_slots_hold_the_kv_of_one_of_their_tokens() -> None:
+    """Not refused (no pass over the slots); the slot holds one of the rows written to it."""
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    key, value = torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+    store_kv(key, value, k_cache, v_cache, torch.tensor([5, 2, 5]))
+    assert torch.equal(k_cache[0, 2], key[1]) and torch.equal(v_cache[0, 2], value[1])
+    assert any(torch.equal(k_cache[1, 1], key[t]) for t in (0, 2))
+    assert any(torch.equal(v_cache[1, 1], value[t]) for t in (0, 2))
+
+
 # --- paged_attention errors -------------------------------------------------------------------
 
 
@@ -268,6 +316,35 @@ def _broken(name: str) -> tuple[torch.Tensor, ...]:
 def test_paged_attention_rejects(name: str) -> None:
     with pytest.raises(BadRequest):
         paged_attention(*_broken(name))
+
+
+def test_paged_attention_names_an_argument_that_is_not_a_tensor() -> None:
+    q, kc, vc, bt, sl, qsl = make_batch([(20, 1), (9, 3)]).args()
+    calls = {
+        "query": (q.tolist(), kc, vc, bt, sl, qsl), "k_cache": (q, None, vc, bt, sl, qsl),
+        "v_cache": (q, kc, None, bt, sl, qsl), "block_tables": (q, kc, vc, bt.tolist(), sl, qsl),
+        "seq_lens": (q, kc, vc, bt, [20, 9], qsl), "query_start_loc": (q, kc, vc, bt, sl, (0, 1, 4)),
+    }
+    for name, args in calls.items():
+        with pytest.raises(BadRequest, match=f"^{name} must be a torch.Tensor, got "):
+            paged_attention(*args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("which", ["query", "k_cache", "v_cache"])
+@pytest.mark.parametrize("specs", [[(20, 1)], [(9, 3)]], ids=["decode", "prefill"])
+def test_paged_attention_refuses_grad_unless_it_is_off(which: str, specs: list[tuple[int, int]]) -> None:
+    """It computes no gradients (the fused decode wrote an output without any): with grad enabled, an
+    input that requires grad is refused; under no_grad or inference_mode the same call runs."""
+    batch = make_batch(specs)
+    setattr(batch, which, getattr(batch, which).clone().requires_grad_())
+    with pytest.raises(BadRequest, match=f"computes no gradients, but {which} requires grad.*torch.no_grad"):
+        paged_attention(*batch.args())
+    with torch.no_grad():
+        assert_close(paged_attention(*batch.args()), batch)
+    with torch.inference_mode():
+        out = paged_attention(*batch.args())
+    assert not out.requires_grad
+    assert_close(out, batch)
 
 
 def test_impl_choice() -> None:

@@ -184,6 +184,34 @@ def test_clear_errors() -> None:
     assert "b" not in manager and manager.num_tokens("a") == 3
 
 
+def test_bad_ids_counts_and_headroom_are_refused_and_change_nothing() -> None:
+    source = FakeSource(block_size=4)
+    manager = BlockManager(source)
+    manager.add_sequence("a", [1, 2, 3, 4, 5])
+    manager.free_sequence("a")  # one full block stays cached
+    before = snapshot(manager, source, [])
+    with pytest.raises(BadRequest, match=r"sequence id must be hashable, got list \['x'\]"):
+        manager.add_sequence(["x"], [1])  # type: ignore[arg-type]
+    manager.add_sequence("b", [1])
+    with pytest.raises(BadRequest, match="sequence id must be hashable, got dict"):
+        manager.fork("b", {})  # type: ignore[arg-type]
+    for call in (manager.block_table, manager.free_sequence, manager.num_tokens):
+        with pytest.raises(BadRequest, match=r"unknown sequence \['x'\]"):
+            call(["x"])  # type: ignore[arg-type]
+    assert ["x"] not in manager  # type: ignore[comparison-overlap]
+    manager.free_sequence("b")
+    for bad in (-3, 1.5, True, "2", None):
+        with pytest.raises(BadRequest, match=f"headroom_blocks must be an integer >= 0, got {bad!r}"):
+            manager.add_sequence("c", [1, 2], headroom_blocks=bad)  # type: ignore[arg-type]
+    for bad in (-1, "x", 2.0, False, None):
+        with pytest.raises(BadRequest, match=f"evict_cached takes a count of blocks >= 0, got {bad!r}"):
+            manager.evict_cached(bad)  # type: ignore[arg-type]
+    with pytest.raises(BadRequest, match="int64"):
+        manager.num_cached_tokens(None)  # type: ignore[arg-type]
+    assert "c" not in manager and snapshot(manager, source, []) == before
+    assert manager.num_evictable_blocks == 1 and manager.evict_cached(0) == 0 and manager.evict_cached(5) == 1
+
+
 # -- fork ----------------------------------------------------------------------
 
 

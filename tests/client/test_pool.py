@@ -11,12 +11,13 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
 from kvdaemon.client import KVClient, KVPool, KVSpec, Lease, PoolExhausted, pool_agent
 from kvdaemon.client.block_manager import BlockManager
-from kvdaemon.errors import BackendError, BadRequest
+from kvdaemon.errors import Asleep, BackendError, BadRequest
 from kvdaemon.wire.messages import LimitNotice, Notice
 
 from tests.conftest import PAGE_BYTES, RunningDaemon, running_daemon, wait_until
@@ -466,6 +467,42 @@ def test_copy_blocks_refuses_blocks_that_are_not_live(kvd: RunningDaemon) -> Non
             pool.copy_blocks(src, dst)  # an unmapped page would fault; a bad id is no IndexError
     pool.copy_blocks([live[0]], [live[1]])
     pool.close()
+
+
+def test_copy_blocks_and_free_refuse_what_is_not_a_list_of_ids(kvd: RunningDaemon) -> None:
+    _, pool = register(kvd, num_prefetch_pages=0)
+    live = pool.alloc(2)
+    pool.key_cache(0)[live[1]].fill_(2)
+    for src, dst, name in ((live[0], live[1], "src"), ([live[0]], live[1], "dst"), (None, [live[1]], "src")):
+        with pytest.raises(BadRequest, match=f"copy_blocks: {name} must be a list of block ids, got "):
+            pool.copy_blocks(src, dst)  # type: ignore[arg-type]
+    assert pool.key_cache(0)[live[1]].eq(2).all(), "a refused copy copied"
+    for bad, hint in ((live[0], "int"), (None, "NoneType"), (np.array(live), r"ndarray \(pass \.tolist\(\)\)"),
+                      (torch.tensor(live), r"Tensor \(pass \.tolist\(\)\)"), ({live[0]}, "set")):
+        with pytest.raises(BadRequest, match=f"free\\(\\) takes a list of block ids, got {hint}"):
+            pool.free(bad)  # type: ignore[arg-type]
+    assert pool.num_used_blocks == 2, "a refused free freed"
+    pool.free(tuple(live))  # a tuple is a list of ids too
+    assert pool.num_used_blocks == 0
+    pool.close()
+
+
+def test_copy_blocks_while_asleep_says_so_or_wakes_with_auto_wake(kvd: RunningDaemon) -> None:
+    client = kvd.client()
+    for auto_wake in (False, True):
+        pool = client.register(f"s{int(auto_wake)}", SPEC, num_prefetch_pages=0, auto_wake=auto_wake)
+        live = pool.alloc(2)
+        pool.key_cache(1)[live[0]].fill_(3)
+        client.sleep(pool.name, "warm")
+        if not auto_wake:
+            with pytest.raises(Asleep, match="copy_blocks: pool 's0' is asleep-warm; wake it first"):
+                pool.copy_blocks([live[0]], [live[1]])
+            pool.wake()
+            assert not pool.key_cache(1)[live[1]].any(), "a refused copy copied"
+        pool.copy_blocks([live[0]], [live[1]])  # with auto_wake: wakes first
+        assert pool.state.value == "active" and pool.key_cache(1)[live[1]].eq(3).all()
+        pool.close()
+    client.close()
 
 
 def test_a_limit_under_one_logical_page_takes_even_page_zero(kvd: RunningDaemon) -> None:

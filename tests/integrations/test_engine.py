@@ -173,6 +173,47 @@ def test_stop_tokens_finish_a_request(model: Any) -> None:
     engine.close()
 
 
+def test_stop_token_ids_must_be_a_collection_of_ids(model: Any) -> None:
+    pool = LocalPool(kv_spec_for(model, BLOCK), num_blocks=32)
+    for bad, match in ((2, "for one id, pass [id]"), ("ab", "for one id, pass [id]"),
+                       (torch.tensor(2), "for one id, pass [id]"), (["a"], "got 'a'"), ([True], "got True"),
+                       ([-1], "got -1"), ([2.0], "got 2.0")):  # fmt: skip
+        with pytest.raises(BadRequest, match=re.escape(match)):
+            Engine(model, pool, stop_token_ids=bad)
+        assert pool.quiesce_hook is None and pool.reclaim_hook is None, "a refused engine kept the pool"
+    engine = Engine(model, pool, stop_token_ids=np.array([7, 9]))
+    assert engine.stop_token_ids == {7, 9}
+    for bad in (2, ["a"], [None]):
+        with pytest.raises(BadRequest, match="stop_token_ids must"):
+            engine.add_request([1, 2], 4, stop_token_ids=bad)
+    assert not engine.has_unfinished
+    assert engine.add_request([1, 2], 4, stop_token_ids=torch.tensor([5])).stop_token_ids == {5}
+    engine.close()
+
+
+def test_abort_takes_only_this_engines_requests(model: Any) -> None:
+    prompts = random_prompts([9, 14], seed=3)
+    first = Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=64))
+    second = Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=64))
+    mine, theirs = first.add_request(prompts[0], 5), second.add_request(prompts[1], 5)
+    first.step()
+    second.step()
+    for bad, match in ((None, "got NoneType"), (theirs.request_id, "got int"), (theirs, "another engine's")):
+        with pytest.raises(BadRequest, match=match):
+            first.abort(bad)  # type: ignore[arg-type]
+    assert not theirs.finished and second.has_unfinished, "the other engine's request was touched"
+    first.abort(mine)
+    first.abort(mine)  # finished: a no-op
+    assert mine.finish_reason == "abort" and not first.has_unfinished and first.manager.num_held_blocks == 0
+    while second.has_unfinished:
+        second.step()
+    assert theirs.output_ids == reference_outputs(model, [prompts[1]], 5)[0]
+    first.abort(theirs)  # finished elsewhere: nothing to drop
+    assert theirs.finish_reason == "length"
+    first.close()
+    second.close()
+
+
 def test_a_request_that_can_never_fit_stalls_then_fails_cleanly(client: KVClient, model: Any) -> None:
     logical_page = kv_spec_for(model, BLOCK).num_segments * PAGE_BYTES
     pool = daemon_pool(client, model, max_bytes=logical_page, num_prefetch_pages=0)
@@ -285,6 +326,29 @@ def test_max_model_len_defaults_to_the_model_positions(model: Any) -> None:
     with pytest.raises(BadRequest, match="exceed max_model_len 16"):
         short.add_request([1] * 9, 8)
     short.close()
+
+
+def test_a_max_model_len_past_the_model_positions_is_taken_as_asked(model: Any) -> None:
+    """By design (RoPE runs on; rope scaling): the caller's length; the pool still bounds requests."""
+    engine = Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=8), max_model_len=10**9)
+    assert engine.max_model_len == 10**9 > model.config.max_position_embeddings
+    with pytest.raises(BadRequest, match="32 tokens of virtual capacity"):
+        engine.add_request([1] * 30, 4)
+    engine.close()
+
+
+def test_kv_spec_for_needs_a_transformers_model(model: Any) -> None:
+    pool = LocalPool(kv_spec_for(model, BLOCK), num_blocks=8)
+    for bad, got in (("llama", "got str"), (None, "got NoneType"), (model.config, "got LlamaConfig|got Qwen2Config")):
+        with pytest.raises(BadRequest, match=f"a transformers model .* is needed, ({got})"):
+            kv_spec_for(bad)
+        with pytest.raises(BadRequest, match="a transformers model"):
+            Engine(bad, pool)
+    with pytest.raises(BadRequest, match=r"from_config\(config\)"):
+        kv_spec_for(model.config)
+    with pytest.raises(BadRequest, match="is needed, got Linear$"):
+        kv_spec_for(torch.nn.Linear(2, 2))  # a module, but no transformers model
+    assert pool.quiesce_hook is None
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 2.5, "64"])

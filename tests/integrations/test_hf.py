@@ -217,3 +217,22 @@ def test_unsupported_operations_are_refused(client: KVClient, model: Any) -> Non
         with pytest.raises(BadRequest, match="batch size changed"):
             cache.update(torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16), 0)
     pool.close()
+
+
+def test_a_forward_with_grad_is_refused_before_it_writes(client: KVClient, model: Any) -> None:
+    """The in-place write of K/V that require grad made the pool's tensors require grad for good
+    (and kept every forward's graph alive); refused, and the same forward under no_grad runs."""
+    pool = register(client, spec_of(model, 4))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with PagedCache(pool) as cache:
+        with pytest.raises(BadRequest, match=r"records no gradients.*torch\.no_grad\(\)"):
+            model(input_ids=ids, past_key_values=cache)
+        assert cache.num_blocks == 0 and pool.num_used_blocks == 0
+        assert not pool.key_cache(0).requires_grad and not pool.value_cache(1).requires_grad
+        with torch.no_grad():
+            out = model(input_ids=ids, past_key_values=cache).logits
+            expected = model(input_ids=ids).logits
+        torch.testing.assert_close(out, expected)
+        assert cache.num_blocks == 2 and not pool.key_cache(0).requires_grad
+    assert pool.num_used_blocks == 0
+    pool.close()
