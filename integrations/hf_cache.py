@@ -1,7 +1,7 @@
 """``PagedCache``: a transformers ``Cache`` whose K/V live in a pool's blocks (``KVPool``, ``LocalPool``).
 
-``model.generate(input_ids, past_key_values=PagedCache(pool), ...)`` runs
-unchanged: each batch row is one sequence of a ``BlockManager`` over the pool,
+``model.generate(input_ids, cache=PagedCache(pool), ...)`` (``past_key_values=``
+on a transformers that does not know ``cache=``) runs unchanged: each batch row is one sequence of a ``BlockManager`` over the pool,
 and every layer's ``update`` writes the new K/V into that row's slots and
 returns the row's whole K/V, gathered from its blocks, as
 ``[batch, num_kv_heads, length, head_dim]``: the same values ``DynamicCache``
