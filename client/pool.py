@@ -287,6 +287,13 @@ class KVPool:
         return self.core.allocator.num_free
 
     @property
+    def num_allocatable_blocks(self) -> int:
+        """Free blocks ``alloc`` hands out now without a grow: the free ones, less those on pages
+        mapped past a lowered limit (they stay free so the pages empty and go back). O(1)."""
+        core = self.core
+        return max(0, core.allocator.num_free - core.pages_over_limit() * core.allocator.blocks_per_page)
+
+    @property
     def num_used_blocks(self) -> int:
         return self.core.allocator.num_live
 

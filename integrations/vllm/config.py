@@ -69,10 +69,17 @@ class PluginConfig:
     def min_bytes(self, capacity_bytes: int) -> int:
         return 0 if self.min_size is None else self.min_size.resolve(capacity_bytes)
 
-    def limits(self, capacity_bytes: int) -> tuple[int | None, int]:
+    def limits(self, capacity_bytes: int, logical_page_bytes: int = 0) -> tuple[int | None, int]:
         """``(max_bytes, min_bytes)`` against the daemon's capacity; ``ConfigError`` naming the
-        variables when the guarantee is above the capacity or the limit."""
+        variables when the guarantee is above the capacity or the limit, or the limit under
+        ``logical_page_bytes`` (one page of every segment: the engine could map no block)."""
         max_bytes, min_bytes = self.max_bytes(capacity_bytes), self.min_bytes(capacity_bytes)
+        if max_bytes is not None and max_bytes < logical_page_bytes:
+            raise ConfigError(
+                f"KVDAEMON_VLLM_MAX means {format_bytes(max_bytes)}, less than one page of every layer's K "
+                f"and V ({format_bytes(logical_page_bytes)} for this model on this daemon): the engine "
+                "could map no block; raise it or unset it"
+            )
         if min_bytes > capacity_bytes:
             raise ConfigError(f"KVDAEMON_VLLM_MIN means {format_bytes(min_bytes)}, more than this daemon's "
                               f"capacity of {format_bytes(capacity_bytes)}")

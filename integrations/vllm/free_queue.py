@@ -16,7 +16,8 @@ LRU order. This queue keeps the same contract over a ``KVPool``:
 - anything else is unmapped or mapped-but-free in the pool, taken on demand.
 
 ``num_free_blocks`` is what vLLM could get now: spare + the pool's free mapped
-blocks + cached + what the daemon could still grant (``Headroom``).
+blocks it may allocate (``num_allocatable_blocks``: not those on pages mapped past
+a lowered limit) + cached + what the daemon could still grant (``Headroom``).
 
 After the pool lost its blocks (a cold sleep), ``forget`` drops every block it
 took from the pool; frees of blocks from before then are ignored.
@@ -82,7 +83,7 @@ class PooledFreeQueue:
     @property
     def num_backed(self) -> int:
         """Free blocks that need no grant: spare, free in the pool's mapped pages, cached."""
-        return len(self.spare) + self.pool.num_free_blocks + len(self.cached)
+        return len(self.spare) + self.pool.num_allocatable_blocks + len(self.cached)
 
     @contextmanager
     def counting_unheld(self) -> Iterator[None]:
@@ -108,7 +109,7 @@ class PooledFreeQueue:
         free blocks and preempts or waits.
         """
         wanted = num_blocks - len(self.spare)
-        if wanted <= self.pool.num_free_blocks or not self.headroom.may_grow():
+        if wanted <= self.pool.num_allocatable_blocks or not self.headroom.may_grow():
             return
         try:
             self._take(self.pool.alloc(wanted))
@@ -132,9 +133,9 @@ class PooledFreeQueue:
         if num_blocks <= 0:
             return []
         if num_blocks > len(self.spare):
-            from_pool = min(num_blocks - len(self.spare), self.pool.num_free_blocks)
+            from_pool = min(num_blocks - len(self.spare), self.pool.num_allocatable_blocks)
             if from_pool:
-                self._take(self.pool.alloc(from_pool))
+                self._take(self.pool.alloc(from_pool))  # free and mapped, within the limit: no grow
         ids = self.spare[:num_blocks]
         del self.spare[:num_blocks]
         out = [self.blocks[block_id] for block_id in ids]

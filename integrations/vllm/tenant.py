@@ -107,7 +107,9 @@ def register_tenant(config: PluginConfig, spec: KVSpec) -> VllmTenant:
         return existing
     client = KVClient(config.dir)
     try:
-        max_bytes, min_bytes = config.limits(int(client.hello()["capacity_bytes"]))
+        info = client.hello()
+        max_bytes, min_bytes = config.limits(
+            int(info["capacity_bytes"]), logical_page_bytes=spec.num_segments * int(info["page_size"]))
         pool = client.register(
             config.tenant, spec, max_bytes=max_bytes, min_bytes=min_bytes, weight=config.weight, grow_wait_s=0,
         )

@@ -69,6 +69,15 @@ def test_a_guarantee_above_the_limit_is_refused_once_both_are_resolved() -> None
         "50.0 MiB): a guarantee cannot exceed the limit")
 
 
+def test_a_limit_under_one_page_of_every_layer_names_its_variable() -> None:
+    config = PluginConfig.from_env({"KVDAEMON_VLLM_TENANT": "a", "KVDAEMON_VLLM_MAX": "1MiB"})
+    assert config is not None
+    assert config.limits(64 << 20, logical_page_bytes=1 << 20) == (1 << 20, 0)  # one page: fits
+    with pytest.raises(ConfigError, match=r"^KVDAEMON_VLLM_MAX means 1\.00 MiB, less than one page of every "
+                       r"layer's K and V \(4\.00 MiB"):
+        config.limits(64 << 20, logical_page_bytes=4 << 20)
+
+
 def engine_config(**parallel: Any) -> SimpleNamespace:
     sizes = {
         "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,

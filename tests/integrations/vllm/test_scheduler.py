@@ -105,6 +105,26 @@ def test_a_running_request_is_preempted_when_the_daemon_refuses(
     client.close()
 
 
+def test_a_limit_lowered_under_a_busy_engine_preempts_and_the_pages_go_back(
+    surface: Any, kvd: RunningDaemon, model_dir: Path, engines: list[Engine],
+) -> None:
+    """The free queue once counted the blocks held back by a lowered limit as free: vLLM took
+    them, the pool refused (``PoolExhausted`` past the limit), and the engine died."""
+    engine = start(engines, surface, kvd, model_dir, "a", prefix_caching=False)
+    requests = [engine.add(f"r{i}", tokens(i, 16), max_tokens=150) for i in range(8)]
+    while mapped_pages(engine) < 4:
+        engine.step()
+    limit_pages = mapped_pages(engine) - 2
+    with kvd.client() as admin:
+        admin.set_limit("a", max_bytes=limit_pages * LOGICAL_PAGE_BYTES)
+    wait_until(lambda: engine.tenant.pool.max_bytes == limit_pages * LOGICAL_PAGE_BYTES, 5, "limit not told")
+    engine.run(max_steps=3000)
+    assert all(request.is_finished() for request in requests)
+    assert any(request.num_preemptions > 0 for request in requests)
+    assert mapped_pages(engine) <= limit_pages
+    engine.check()
+
+
 def test_free_blocks_counted_by_a_schedule_stay_until_it_takes_them(
     surface: Any, kvd: RunningDaemon, model_dir: Path, engines: list[Engine], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
