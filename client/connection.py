@@ -241,7 +241,8 @@ class KVClient:
             pool.grow_wait_s = grow_wait_s
             pool.start()
         except BaseException:
-            lease.close()
+            with contextlib.suppress(KVDaemonError):  # the first error is the one to tell
+                lease.close()
             raise
         self._open_pools[id(pool)] = pool
         return pool
@@ -354,4 +355,3 @@ def check_timeout(timeout_s: object) -> float:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
         raise BadRequest(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     return float(timeout_s)
-

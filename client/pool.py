@@ -92,13 +92,14 @@ class KVPool:
         shape = self.spec.segment_shape(self.num_blocks)
         segments = self.core.segments
         segments.reserve()
-        try:
+        try:  # whatever fails before the agent runs, the ranges go back
             self._caches = [segments.view(s, view_bytes, dtype).view(shape) for s in range(self.spec.num_segments)]
-        except BackendError:
+            self.agent.listen(self.core.lease)
+            self.agent.start()
+        except BaseException:
+            self._caches = []
             segments.free_ranges()
             raise
-        self.agent.listen(self.core.lease)
-        self.agent.start()
 
     def close(self) -> None:
         """Give every page back, unregister, and free the ranges. Idempotent. A pool with
@@ -262,12 +263,12 @@ class KVPool:
         for name, ids in (("src", src), ("dst", dst)):
             if not isinstance(ids, (list, tuple)):
                 raise BadRequest(f"copy_blocks: {name} must be a list of block ids, got {type(ids).__name__}")
+        if len(src) != len(dst):
+            raise BadRequest(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
         if self.core.state.asleep:
             if not self.auto_wake:
                 raise Asleep(f"copy_blocks: pool {self.name!r} is {self.core.state.value}; wake it first")
             self.wake()
-        if len(src) != len(dst):
-            raise BadRequest(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
         allocator = self.core.allocator
         for block in (*src, *dst):
             if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks \

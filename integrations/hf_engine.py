@@ -479,7 +479,7 @@ def _check_unclaimed(pool: EnginePool) -> None:
     if pool.quiesce_hook is not None or pool.resume_hook is not None or pool.reclaim_hook is not None:
         name = getattr(pool, "name", "")
         raise Conflict(
-            f"pool {name!r} already has an engine (its sleep or reclaim hooks are set): close that "
-            "engine first, or register another pool for this one"
+            f"pool {name!r} already has an engine, or a BlockManager serving its reclaims (its sleep or "
+            "reclaim hooks are set): close that engine first, or register another pool for this one"
         )
 

@@ -135,7 +135,10 @@ class PooledFreeQueue:
         if num_blocks > len(self.spare):
             from_pool = min(num_blocks - len(self.spare), self.pool.num_allocatable_blocks)
             if from_pool:
-                self._take(self.pool.alloc(from_pool))  # free and mapped, within the limit: no grow
+                try:  # free and mapped, within the limit: no grow
+                    self._take(self.pool.alloc(from_pool))
+                except PoolExhausted:  # a limit lowered since the count: cached blocks, then a grant
+                    pass
         ids = self.spare[:num_blocks]
         del self.spare[:num_blocks]
         out = [self.blocks[block_id] for block_id in ids]

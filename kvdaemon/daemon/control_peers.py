@@ -7,15 +7,17 @@ in its IPC listener). This table follows the socket's monitor (an
 ``ACCEPTED`` event per connection, carrying its fd, and a ``DISCONNECTED``
 when ZeroMQ closes it) and the requests' source fds (``spoke``), and keeps at
 most ``max_peers`` connections. Past that, the oldest connection that has
-never sent a request is shut down at once. A client sends its request as it
-connects, and the loop reads requests before it turns to the monitor, at most
-``batch`` events a round (a quarter of the bound), so a client's connection is
-known to have spoken before a flood could make it the oldest silent one; one
-that has (every client's, an engine's) is never shut down for the bound. A
-flood of silent connections, from one process or from many, so costs its own
-connections only, and new clients still get in. ZeroMQ closes a shut-down
-connection itself; a DEALER reconnects later and is counted again. (A flood
-of connections that each send requests is bounded too, but then each new
+never sent a request is shut down at once; one that has (every client's, an
+engine's) is never shut down for the bound. A client sends its request as it
+connects; ZeroMQ reports the accept before the handshake, so the request may be
+read before its ``ACCEPTED`` is (``spoke`` then remembers the fd and its inode
+until it is). A flood of silent connections, from one process or from many,
+so costs its own connections only: a new client is shut down only if
+``max_peers`` more connections arrive before its first request is read (the
+loop reads requests before it turns to the monitor, and at most ``batch``
+events a round, a quarter of the bound). ZeroMQ closes a shut-down connection
+itself; a DEALER reconnects later and is counted again. (A flood of
+connections that each send requests is bounded too, but then each new
 connection is the one shut down: the uid is the trust boundary, and such a
 peer could as well stop the daemon.)
 
@@ -32,12 +34,14 @@ Invariants:
   to us is full. ``peer_cap`` leaves that many fds, and the handle channel's
   budget, under the fd limit.
 
-A connection is shut down only while its fd still names the socket accepted
-(same inode), so an fd number ZeroMQ closed and another thread reused is not
-touched.
+A connection is shut down only if its fd named, when its ``ACCEPTED`` was
+read, a socket accepted on the control socket's path (an fd number ZeroMQ had
+closed and the loop or another thread reused, for a lease say, is never
+counted as shut-able), and only while it still names that socket (same inode).
 
-Cost: one ``fstat`` and one ``SO_PEERCRED`` read (for the log) per connection;
-O(1) per event and per request.
+Cost: an ``fstat``, a ``getsockname`` and an ``SO_PEERCRED`` read (for the log)
+per connection, an ``fstat`` for a request read before its connection is known
+as a client; O(1) per event and per request.
 """
 
 from __future__ import annotations
@@ -62,12 +66,13 @@ MONITOR_QUEUE_EVENTS = 1001  # libzmq's own monitor socket queues 1000, ours 1 (
 MONITOR_BATCH = 256  # events served per loop round, at most
 MIN_PEERS = 64
 UNKNOWN_PID = -1  # a connection whose peer could not be read
+MAX_EARLY = MONITOR_QUEUE_EVENTS  # requests remembered ahead of their ACCEPTED: the monitor's queue
 
 
 @dataclass
 class _Peer:
     pid: int  # for the log
-    inode: int | None  # None: the fd could not be read (already closed)
+    inode: int | None  # None: not a control connection when read (closed, or the number reused): never shut
     accepted_at: float
 
 
@@ -91,6 +96,8 @@ class ControlPeers:
         self.monitor: zmq.Socket | None = None
         self._peers: dict[int, _Peer] = {}
         self._silent: dict[int, None] = {}  # fds that never sent a request, oldest first
+        self._early: dict[int, int | None] = {}  # fd -> inode: requests read before their ACCEPTED
+        self.path = ""  # the control socket's path: its accepted connections' own name
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -100,10 +107,10 @@ class ControlPeers:
         """Connections that have not sent a request yet."""
         return len(self._silent)
 
-    def start(self, ctx: zmq.Context, router: zmq.Socket, max_peers: int) -> None:
+    def start(self, ctx: zmq.Context, router: zmq.Socket, max_peers: int, path: str) -> None:
         """Follow ``router``'s accepted and closed connections, keeping at most ``max_peers``;
-        poll ``self.monitor`` for them. Call before ``router`` binds."""
-        self.max_peers = max_peers
+        poll ``self.monitor`` for them. ``path``: the ipc path ``router`` binds. Call before it binds."""
+        self.max_peers, self.path = max_peers, path
         self.batch = max(1, min(MONITOR_BATCH, max_peers // 4))
         router.monitor(MONITOR_ENDPOINT, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         monitor = ctx.socket(zmq.PAIR)
@@ -139,15 +146,28 @@ class ControlPeers:
         if fd in self._peers:  # a close we did not see: count the new connection only
             self.closed(fd)
         now = self.clock()
-        pid, inode = _identify(fd)
+        pid, inode = _identify(fd, self.path)
         self._peers[fd] = _Peer(pid, inode, now)
-        self._silent[fd] = None
+        if fd not in self._early or self._early.pop(fd) != inode or inode is None:
+            self._silent[fd] = None
         if len(self._peers) > self.max_peers:
             self._shut_one(now)
 
-    def spoke(self, fd: int) -> None:
-        """The connection on ``fd`` sent a request: it is a client, never shut for the bound."""
-        self._silent.pop(fd, None)
+    def spoke(self, fd: int | None) -> None:
+        """The connection on ``fd`` sent a request: it is a client, never shut for the bound. One
+        whose ``ACCEPTED`` is not read yet is remembered (fd and inode) until it is."""
+        if fd is None or fd < 0:
+            return
+        peer = self._peers.get(fd)
+        if peer is not None and fd not in self._silent:
+            return  # a known client: no syscall
+        inode = _inode(fd)
+        if peer is not None and inode == peer.inode:
+            del self._silent[fd]
+            return
+        self._early[fd] = inode  # its ACCEPTED is queued (the table's entry, if any, is a closed one's)
+        if len(self._early) > MAX_EARLY:
+            del self._early[next(iter(self._early))]
 
     def closed(self, fd: int) -> None:
         """Forget the connection ZeroMQ closed on ``fd`` (one never counted: nothing)."""
@@ -177,17 +197,27 @@ def _borrowed(fd: int) -> Iterator[socket.socket]:
         sock.detach()
 
 
-def _identify(fd: int) -> tuple[int, int | None]:
-    """``(peer pid, inode)`` of the socket on ``fd``; the inode is None if ``fd`` is closed."""
+def _identify(fd: int, path: str) -> tuple[int, int | None]:
+    """``(peer pid, inode)`` of the connection on ``fd``; the inode is None unless ``fd`` names a
+    socket accepted on ``path`` (it was closed, or its number reused by something else)."""
     try:
         inode = os.fstat(fd).st_ino
+        with _borrowed(fd) as sock:
+            if sock.family != socket.AF_UNIX or sock.getsockname() != path:
+                return UNKNOWN_PID, None
+            try:
+                return peer_credentials(sock)[0], inode
+            except OSError:  # its peer unreadable: counted, under no pid
+                return UNKNOWN_PID, inode
     except OSError:
         return UNKNOWN_PID, None
+
+
+def _inode(fd: int) -> int | None:
     try:
-        with _borrowed(fd) as sock:
-            return peer_credentials(sock)[0], inode
-    except OSError:  # not a socket any more, or its peer unreadable: counted apart
-        return UNKNOWN_PID, inode
+        return os.fstat(fd).st_ino
+    except OSError:
+        return None
 
 
 def _shut_down(fd: int, inode: int | None) -> None:

@@ -152,7 +152,7 @@ class AdminLines:
 
 
 def _log_due(tenant: Tenant, by_owner: bool) -> bool:
-    """Whether this change is logged: an admin's always; a tenant's own at most once per
+    """Whether this change is logged (an admin's: ``AdminLines``); a tenant's own at most once per
     ``OWN_LOG_INTERVAL_S`` (a tenant changing its limits in a loop cannot flood the log),
     the ones in between counted on the tenant and told with its next line."""
     if not by_owner:

@@ -138,7 +138,7 @@ class Daemon:
         # A client waits for each reply before its next request, so a peer with more than
         # SNDHWM replies unread is not reading: past it replies are dropped, not queued.
         router.setsockopt(zmq.SNDHWM, CONTROL_SNDHWM)
-        self.control_peers.start(self._ctx, router, _control_peer_cap())
+        self.control_peers.start(self._ctx, router, _control_peer_cap(), str(self.paths.control_socket))
         router.bind(self.paths.control_endpoint)
         os.chmod(self.paths.control_socket, 0o600)
         self._router = router

@@ -494,6 +494,9 @@ def test_copy_blocks_while_asleep_says_so_or_wakes_with_auto_wake(kvd: RunningDa
         live = pool.alloc(2)
         pool.key_cache(1)[live[0]].fill_(3)
         client.sleep(pool.name, "warm")
+        with pytest.raises(BadRequest, match="1 sources for 2 destinations"):
+            pool.copy_blocks([live[0]], live)  # refused before any wake: the pool sleeps on
+        assert pool.state.value == "asleep-warm"
         if not auto_wake:
             with pytest.raises(Asleep, match="copy_blocks: pool 's0' is asleep-warm; wake it first"):
                 pool.copy_blocks([live[0]], [live[1]])

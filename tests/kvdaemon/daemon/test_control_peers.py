@@ -41,6 +41,7 @@ def peers(max_peers: int, clock: Clock | None = None) -> ControlPeers:
     """A table with no monitor: the tests feed it accepts, requests and closes."""
     table = ControlPeers(LogThrottle(logging.getLogger("test.control_peers")), clock or Clock())
     table.max_peers = max_peers
+    table.path = ""  # the name of a socketpair's ends, as the control socket's path is its connections'
     return table
 
 
@@ -151,11 +152,50 @@ def test_an_fd_number_reused_by_another_socket_is_not_shut_down() -> None:
         assert not was_shut(old) and not was_shut(newcomer)
 
 
+def test_a_request_read_before_its_accept_marks_the_connection_a_client() -> None:
+    """ZeroMQ reports the accept before the handshake: the first request may come first."""
+    table = peers(max_peers=1)
+    with connections(3) as pairs:
+        client, newcomer, stranger = pairs[0][0], pairs[1][0], pairs[2][0]
+        table.spoke(client.fileno())  # read before its ACCEPTED
+        table.accepted(client.fileno())
+        assert table.num_silent == 0
+        table.spoke(stranger.fileno())
+        table.accepted(newcomer.fileno())  # the bound: the newcomer is the only silent one
+        assert was_shut(newcomer) and not was_shut(client)
+        table.spoke(None)  # a request without a source fd: nothing
+        table.spoke(-1)
+        assert len(table) == 1 and table.num_silent == 0
+
+
+def test_an_early_request_from_a_number_since_reused_does_not_count() -> None:
+    table = peers(max_peers=8)
+    with connections(1) as pairs:
+        fd = pairs[0][0].fileno()
+        table.spoke(fd)
+        table._early[fd] = -1  # as if the number then named another socket
+        table.accepted(fd)
+        assert table.num_silent == 1
+
+
+def test_an_fd_that_is_not_a_control_connection_is_never_shut_down() -> None:
+    """An ACCEPTED read after ZeroMQ closed the connection and the number went to, say, a lease."""
+    table = peers(max_peers=1)
+    table.path = "/run/kvdaemon/control.sock"  # the socketpair's ends are not named so
+    with connections(2) as pairs:
+        reused, newcomer = pairs[0][0], pairs[1][0]
+        table.accepted(reused.fileno())
+        table.accepted(newcomer.fileno())  # past the bound: the oldest silent is forgotten, untouched
+        assert len(table) == 1 and table.num_shut == 1
+        assert not was_shut(reused) and not was_shut(newcomer)
+
+
 def test_victims_are_the_oldest_silent(monkeypatch: pytest.MonkeyPatch) -> None:
     """Random accepts, requests and closes against a model kept from scratch."""
     rng = random.Random(7)
     shut_fds: list[int] = []
-    monkeypatch.setattr(control_peers, "_identify", lambda fd: (1, fd))
+    monkeypatch.setattr(control_peers, "_identify", lambda fd, path: (1, fd))  # fd numbers, not fds
+    monkeypatch.setattr(control_peers, "_inode", lambda fd: fd)
     monkeypatch.setattr(control_peers, "_shut_down", lambda fd, inode: shut_fds.append(fd))
     table = peers(max_peers=12)
     open_fds: list[int] = []  # the model: open fds in accept order
