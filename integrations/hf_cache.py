@@ -1,9 +1,10 @@
 """``PagedCache``: a transformers ``Cache`` whose K/V live in a pool's blocks (``KVPool``, ``LocalPool``).
 
 ``model.generate(input_ids, cache=PagedCache(pool), ...)`` (``past_key_values=``
-on a transformers that does not know ``cache=``) runs unchanged: each batch row is one sequence of a ``BlockManager`` over the pool,
-and every layer's ``update`` writes the new K/V into that row's slots and
-returns the row's whole K/V, gathered from its blocks, as
+on a transformers that does not know ``cache=``) runs unchanged: each batch
+row is one sequence of a ``BlockManager`` over the pool, and every layer's
+``update`` writes the new K/V into that row's slots and returns the row's
+whole K/V, gathered from its blocks, as
 ``[batch, num_kv_heads, length, head_dim]``: the same values ``DynamicCache``
 returns, so attention (and its masks) see the same numbers.
 
