@@ -66,7 +66,7 @@ class VllmSurface:
     coordinator_cls: type  # KVCacheCoordinator: get_num_blocks_to_allocate
     block_pool_cls: type  # BlockPool
     scheduler_cls: type  # Scheduler: schedule, update_from_output, finish_requests, reset_prefix_cache
-    engine_core_cls: type  # EngineCore: step, step_with_batch_queue
+    engine_core_cls: type  # EngineCore: step, step_with_batch_queue, shutdown
     worker_cls: type  # the GPU Worker: determine_available_memory, initialize_from_config
     worker_base_cls: type  # WorkerBase: get_supported_kv_cache_layouts
     runner_modules: tuple[ModuleType, ...]  # model runners calling allocate_kv_cache by name
@@ -181,7 +181,7 @@ def _resolve(version: str) -> VllmSurface:
     scheduler_cls = r.attr(sched_mod, "Scheduler", where=sched_mod.__name__)
     r.methods(scheduler_cls, ("schedule", "update_from_output", "finish_requests", "reset_prefix_cache"), "Scheduler")
     engine_core_cls = r.attr(core_mod, "EngineCore", where=core_mod.__name__)
-    r.methods(engine_core_cls, ("step", "step_with_batch_queue"), "EngineCore")
+    r.methods(engine_core_cls, ("step", "step_with_batch_queue", "shutdown"), "EngineCore")
 
     worker_cls = r.attr(worker_mod, "Worker", where=worker_mod.__name__)
     worker_base_cls = r.attr(worker_base_mod, "WorkerBase", where=worker_base_mod.__name__)

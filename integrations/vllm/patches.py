@@ -9,7 +9,10 @@ Scheduler side (the engine-core process):
   refuses) before vLLM compares the need with the free count;
 - ``Scheduler.schedule`` / ``update_from_output`` / ``finish_requests`` /
   ``reset_prefix_cache`` and ``EngineCore.step`` / ``step_with_batch_queue``
-  run inside the engine gate.
+  run inside the engine gate;
+- ``EngineCore.shutdown``: once vLLM's own teardown is done, the process's
+  tenant closes (its pages back, unregistered: the daemon logs a clean exit, not
+  a lease that ended without an unregister).
 
 Worker side (the same process):
 
@@ -35,7 +38,7 @@ from kvdaemon.integrations.vllm.block_pool import pooled_block_pool_class
 from kvdaemon.integrations.vllm.config import PluginConfig
 from kvdaemon.integrations.vllm.gate import WRAPPED, VllmSurface
 from kvdaemon.integrations.vllm.layout import pooled_layouts
-from kvdaemon.integrations.vllm.tenant import current_tenant
+from kvdaemon.integrations.vllm.tenant import close_current_tenant, current_tenant
 from kvdaemon.integrations.vllm.worker import (
     available_kv_bytes, in_real_allocation, pool_kv_cache_views, real_allocation,
 )
@@ -53,6 +56,7 @@ def install(surface: VllmSurface, config: PluginConfig) -> bool:
         _wrap(surface.scheduler_cls, name, _gated(needs_memory=False))
     for name in ("step", "step_with_batch_queue"):
         _wrap(surface.engine_core_cls, name, _engine_gated)
+    _wrap(surface.engine_core_cls, "shutdown", _closing_tenant)
     _wrap(surface.worker_cls, "determine_available_memory", _sizing(surface, config))
     _wrap(surface.worker_cls, "initialize_from_config", _allocating)
     _wrap(surface.worker_base_cls, "get_supported_kv_cache_layouts", _filtering(surface))
@@ -110,6 +114,16 @@ def _engine_gated(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
 
     return engine_step
+
+
+def _closing_tenant(original: Callable[..., Any]) -> Callable[..., Any]:
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            close_current_tenant()
+
+    return shutdown
 
 
 def _sizing(surface: VllmSurface, config: PluginConfig) -> Callable[[Callable[..., int]], Callable[..., int]]:

@@ -22,7 +22,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from kvdaemon.client import KVClient, KVSpec
-from kvdaemon.errors import Unsupported
+from kvdaemon.errors import KVDaemonError, Unsupported
 from kvdaemon.integrations.vllm.config import PluginConfig
 from kvdaemon.integrations.vllm.engine_gate import EngineGate
 from kvdaemon.integrations.vllm.free_queue import take_block_zero
@@ -95,6 +95,18 @@ def set_current_tenant(tenant: VllmTenant | None) -> VllmTenant | None:
     with _lock:
         previous, _current = _current, tenant
     return previous
+
+
+def close_current_tenant() -> None:
+    """Close this process's tenant, if any (vLLM's engine shut down: nothing reads its KV any
+    more); a daemon already gone is logged, not raised, as a shutdown must finish."""
+    tenant = set_current_tenant(None)
+    if tenant is None:
+        return
+    try:
+        tenant.close()
+    except KVDaemonError as exc:
+        log.warning("kvdaemon tenant %s: closing at engine shutdown: %s", tenant.config.tenant, exc)
 
 
 def register_tenant(config: PluginConfig, spec: KVSpec) -> VllmTenant:

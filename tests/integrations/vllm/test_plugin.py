@@ -12,7 +12,9 @@ import pytest
 import kvdaemon.integrations.vllm as plugin
 from kvdaemon.errors import Unsupported
 from kvdaemon.integrations.vllm import gate, patches
+from kvdaemon.integrations.vllm.tenant import current_tenant, set_current_tenant
 
+from tests.conftest import RunningDaemon
 from tests.integrations.vllm.conftest import VLLM_MISSING
 
 
@@ -89,7 +91,8 @@ def test_the_installed_plugin_swaps_the_pool_the_coordinator_builds(surface: Any
     built = surface.coordinator_module.BlockPool
     assert built.__name__ == "PooledBlockPool" and issubclass(built, surface.block_pool_cls)
     for cls, name in ((surface.coordinator_cls, "get_num_blocks_to_allocate"), (surface.scheduler_cls, "schedule"),
-                      (surface.engine_core_cls, "step"), (surface.worker_cls, "initialize_from_config")):
+                      (surface.engine_core_cls, "step"), (surface.engine_core_cls, "shutdown"),
+                      (surface.worker_cls, "initialize_from_config")):
         assert getattr(getattr(cls, name), "__kvdaemon_wrapped__", False), name
     from kvdaemon.integrations.vllm.config import PluginConfig
 
@@ -110,3 +113,25 @@ def test_a_missing_attribute_is_refused_before_anything_is_patched(
     assert "vLLM 0.33.0" in message and "BlockPool.touch()" in message
     assert "allocate_kv_cache('kv_cache_config', 'device', 'layout', 'kernel_block_sizes')" in message
     assert installs == []
+
+
+def test_the_engines_shutdown_unregisters_its_tenant(surface: Any, kvd: RunningDaemon) -> None:
+    """A vLLM engine that exits cleanly was logged as a lease ended without an unregister."""
+    from tests.integrations.vllm.engines import start_tenant  # imports vLLM
+
+    tenant = start_tenant(surface, kvd.dir, "a")
+    set_current_tenant(tenant)
+    calls: list[str] = []
+
+    class Core:  # vLLM's EngineCore, as far as the wrapper sees it
+        def shutdown(self) -> None:
+            calls.append("vllm")
+
+    patches._closing_tenant(Core.shutdown)(Core())
+    assert calls == ["vllm"]
+    with kvd.client() as client:
+        assert client.status()["tenants"] == []  # unregistered, not dropped
+    with pytest.raises(Unsupported):
+        current_tenant()
+    patches._closing_tenant(Core.shutdown)(Core())  # no tenant (a second shutdown): vLLM's alone
+    assert calls == ["vllm", "vllm"]
