@@ -40,8 +40,8 @@ closed and the loop or another thread reused, for a lease say, is never
 counted as shut-able), and only while it still names that socket (same inode).
 
 Cost: an ``fstat``, a ``getsockname`` and an ``SO_PEERCRED`` read (for the log)
-per connection, an ``fstat`` for a request read before its connection is known
-as a client; O(1) per event and per request.
+per connection, an ``fstat`` per request (its fd's number may have been reused);
+O(1) per event and per request.
 """
 
 from __future__ import annotations
@@ -159,11 +159,9 @@ class ControlPeers:
         if fd is None or fd < 0:
             return
         peer = self._peers.get(fd)
-        if peer is not None and fd not in self._silent:
-            return  # a known client: no syscall
-        inode = _inode(fd)
+        inode = _inode(fd)  # also for a known client: its entry may be a closed one's, the number reused
         if peer is not None and inode == peer.inode:
-            del self._silent[fd]
+            self._silent.pop(fd, None)
             return
         self._early[fd] = inode  # its ACCEPTED is queued (the table's entry, if any, is a closed one's)
         if len(self._early) > MAX_EARLY:

@@ -168,6 +168,21 @@ def test_a_request_read_before_its_accept_marks_the_connection_a_client() -> Non
         assert len(table) == 1 and table.num_silent == 0
 
 
+def test_a_request_on_a_reused_number_of_a_known_client_is_remembered_for_the_new_one() -> None:
+    """The entry is a closed client's (its DISCONNECTED still queued); the request is the new
+    connection's, whose ACCEPTED comes after."""
+    table = peers(max_peers=8)
+    with connections(1) as pairs:
+        fd = pairs[0][0].fileno()
+        table.accepted(fd)
+        table.spoke(fd)
+        table._peers[fd].inode = -1  # as if the number now named the next connection
+        table.spoke(fd)  # the new connection's first request
+        table.closed(fd)  # the old one's DISCONNECTED
+        table.accepted(fd)  # the new one's ACCEPTED: a client already
+        assert table.num_silent == 0
+
+
 def test_an_early_request_from_a_number_since_reused_does_not_count() -> None:
     table = peers(max_peers=8)
     with connections(1) as pairs:
