@@ -56,6 +56,7 @@ tokens + blocks) Python work to build the index tensors.
 from __future__ import annotations
 
 import operator
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -104,41 +105,45 @@ class Engine:
     ) -> None:
         if not isinstance(pool, EnginePool):
             raise BadRequest(f"{type(pool).__name__} is not a pool the engine can run over (see EnginePool)")
-        _check_unclaimed(pool)
         stops = None if stop_token_ids is None else _stop_ids(stop_token_ids)
-        layout = hf_probe.probe_layout(model)
-        self._check_pool(model, layout, pool)
-        self.max_model_len = _max_model_len(model, max_model_len, layout, attention_impl)
-        hf_probe.check_paged(model, layout, pool.spec.block_size, attention_impl, self.max_model_len)
-        self.model = model
-        self.pool = pool
-        self.clock = clock
-        self.attention_impl = attention_impl
-        self.stop_token_ids = frozenset(_default_stops(model)) if stops is None else stops
-        self.manager = BlockManager(pool, enable_prefix_cache=enable_prefix_cache,
-                                    scarce_free_blocks=getattr(pool, "scarce_free_blocks", None))
-        self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs,
-                                   owed_blocks=lambda: pool.owed_pages * pool.blocks_per_page)
-        self.max_num_tokens = pool.num_blocks * pool.block_size
-        self.device = pool.key_cache(0).device
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.num_computed_tokens = 0  # tokens whose K/V a forward computed (prefix-cache hits excluded)
-        self.last_num_scheduled_tokens = 0
-        self._next_request_id = 0
-        self._step_lock = StepGate()  # held by a step, and from quiesce to resume; quiesce first
-        self._reserve = (0, 0, 0)  # what the pool was last told to keep free, spare and ahead
-        self._num_block_losses = pool.num_block_losses
-        self._caches = (
-            [pool.key_cache(i) for i in range(pool.spec.num_layers)],
-            [pool.value_cache(i) for i in range(pool.spec.num_layers)],
-        )
-        self._closed = False
-        self.stall_watch = StallWatch(self._stall_facts)
-        hf_attention.register()
-        self.manager.serve_reclaim_for(pool)
-        pool.quiesce_hook, pool.resume_hook = self._quiesce, self._resume
-        pool.grow_wait_s = grow_wait_s
+        _claim(pool)  # another engine built over it now, in another thread, is refused from here on
+        try:
+            layout = hf_probe.probe_layout(model)
+            self._check_pool(model, layout, pool)
+            self.max_model_len = _max_model_len(model, max_model_len, layout, attention_impl)
+            hf_probe.check_paged(model, layout, pool.spec.block_size, attention_impl, self.max_model_len)
+            self.model = model
+            self.pool = pool
+            self.clock = clock
+            self.attention_impl = attention_impl
+            self.stop_token_ids = frozenset(_default_stops(model)) if stops is None else stops
+            self.manager = BlockManager(pool, enable_prefix_cache=enable_prefix_cache,
+                                        scarce_free_blocks=getattr(pool, "scarce_free_blocks", None))
+            self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs,
+                                       owed_blocks=lambda: pool.owed_pages * pool.blocks_per_page)
+            self.max_num_tokens = pool.num_blocks * pool.block_size
+            self.device = pool.key_cache(0).device
+            self.num_steps = 0
+            self.num_generated_tokens = 0
+            self.num_computed_tokens = 0  # tokens whose K/V a forward computed (prefix-cache hits excluded)
+            self.last_num_scheduled_tokens = 0
+            self._next_request_id = 0
+            self._step_lock = StepGate()  # held by a step, and from quiesce to resume; quiesce first
+            self._reserve = (0, 0, 0)  # what the pool was last told to keep free, spare and ahead
+            self._num_block_losses = pool.num_block_losses
+            self._caches = (
+                [pool.key_cache(i) for i in range(pool.spec.num_layers)],
+                [pool.value_cache(i) for i in range(pool.spec.num_layers)],
+            )
+            self._closed = False
+            self.stall_watch = StallWatch(self._stall_facts)
+            hf_attention.register()
+            self.manager.serve_reclaim_for(pool)
+            pool.quiesce_hook, pool.resume_hook = self._quiesce, self._resume
+            pool.grow_wait_s = grow_wait_s
+        except BaseException:
+            _release(pool)
+            raise
 
     @staticmethod
     def _check_pool(model: Any, layout: hf_probe.AttentionLayout, pool: EnginePool) -> None:
@@ -471,6 +476,26 @@ def _count(value: Any, name: str) -> int:
     if number <= 0:
         raise BadRequest(f"{name} must be a positive integer, got {value!r}")
     return number
+
+
+_claim_lock = threading.Lock()
+
+
+def _nothing_to_evict(num_blocks: int) -> int:
+    """The reclaim hook of a pool whose engine is being built: no cache yet, nothing evicted."""
+    return 0
+
+
+def _claim(pool: EnginePool) -> None:
+    """Claim ``pool`` for an engine being built (its reclaim hook marks it), or ``Conflict``."""
+    with _claim_lock:
+        _check_unclaimed(pool)
+        pool.reclaim_hook = _nothing_to_evict
+
+
+def _release(pool: EnginePool) -> None:
+    """Undo a claim whose engine failed to build: the hooks it may have set go."""
+    pool.quiesce_hook = pool.resume_hook = pool.reclaim_hook = None
 
 
 def _check_unclaimed(pool: EnginePool) -> None:

@@ -314,6 +314,42 @@ def test_a_pool_another_engine_runs_over_is_refused(client: KVClient, model: Any
         pool.close()
 
 
+def test_a_pool_claimed_by_an_engine_being_built_is_refused_to_another(
+    client: KVClient, model: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two engines built at once from two threads both passed the check, then both set hooks."""
+    from kvdaemon.integrations import hf_probe
+
+    pool = daemon_pool(client, model)
+    probing, go_on = threading.Event(), threading.Event()
+    real_probe = hf_probe.probe_layout
+
+    def slow_probe(probed: Any) -> Any:
+        probing.set()
+        assert go_on.wait(10)
+        return real_probe(probed)
+
+    built: list[Engine] = []
+    with monkeypatch.context() as patched:
+        patched.setattr(hf_probe, "probe_layout", slow_probe)
+        first = threading.Thread(target=lambda: built.append(Engine(model, pool)))
+        first.start()
+        assert probing.wait(10)
+    try:
+        with pytest.raises(Conflict, match="already has an engine"):
+            Engine(model, pool)  # the first is still probing: its claim holds
+    finally:
+        go_on.set()
+        first.join(30)
+    assert len(built) == 1 and pool.quiesce_hook == built[0]._quiesce
+    built[0].close()
+    with pytest.raises(BadRequest):
+        Engine(model, pool, max_model_len=-1)  # a failed build gives its claim back
+    assert pool.quiesce_hook is None and pool.reclaim_hook is None
+    Engine(model, pool).close()
+    pool.close()
+
+
 def test_max_model_len_defaults_to_the_model_positions(model: Any) -> None:
     engine = Engine(model, LocalPool(kv_spec_for(model, BLOCK), num_blocks=256))  # 1024 tokens of pool
     assert engine.max_model_len == model.config.max_position_embeddings == 512
