@@ -327,3 +327,12 @@ class BlockAllocator:
         assert self.spare == {p for p in range(self.num_pages) if self._mapped[p] and not self._use[p]}
         assert self.num_free == len(free_blocks)
         assert all(type(b) is int and 0 <= b < self.num_blocks for b in self._live), "a live id is not a block"
+
+
+def check_id_list(block_ids: object, what: str) -> None:
+    """``BadRequest`` (``what`` starts it: the call and its argument) unless ``block_ids`` is a
+    list or tuple, as a pool's ``free`` and ``copy_blocks`` take; an array gets a hint. O(1)."""
+    if not isinstance(block_ids, (list, tuple)):
+        hint = " (pass .tolist())" if hasattr(block_ids, "tolist") else ""
+        raise BadRequest(f"{what} a list of block ids, got {type(block_ids).__name__}{hint}")
+

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvdaemon.client.allocator import check_id_list
 from kvdaemon.client.spec import KVSpec
 from kvdaemon.errors import BadRequest, PoolExhausted
 
@@ -85,7 +86,7 @@ class LocalPool:
     def free(self, block_ids: list[int]) -> None:
         """Return blocks (a list or tuple of ints); BadRequest (nothing freed) for anything else
         and on an unknown, repeated or free id."""
-        _check_id_list(block_ids, "free() takes")
+        check_id_list(block_ids, "free() takes")
         seen = set()
         for block_id in block_ids:
             if not self._is_live(block_id) or block_id in seen:
@@ -103,8 +104,8 @@ class LocalPool:
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy K and V of every layer from ``src[i]`` to ``dst[i]``; BadRequest (nothing copied)
         unless both are lists (or tuples) of allocated ids of equal length."""
-        _check_id_list(src, "copy_blocks: src must be")
-        _check_id_list(dst, "copy_blocks: dst must be")
+        check_id_list(src, "copy_blocks: src must be")
+        check_id_list(dst, "copy_blocks: dst must be")
         if len(src) != len(dst):
             raise BadRequest(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
         for block_id in (*src, *dst):
@@ -125,10 +126,3 @@ class LocalPool:
 
     def note_activity(self) -> None:
         """No daemon to tell: nothing to do."""
-
-
-def _check_id_list(block_ids: object, what: str) -> None:
-    """BadRequest (``what`` names the call) unless ``block_ids`` is a list or tuple."""
-    if not isinstance(block_ids, (list, tuple)):
-        hint = " (pass .tolist())" if hasattr(block_ids, "tolist") else ""
-        raise BadRequest(f"{what} a list of block ids, got {type(block_ids).__name__}{hint}")

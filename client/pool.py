@@ -38,6 +38,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from kvdaemon.client.allocator import check_id_list
 from kvdaemon.client.control import ControlChannel
 from kvdaemon.client.lease import Lease
 from kvdaemon.client.pool_agent import PoolAgent
@@ -260,9 +261,8 @@ class KVPool:
         import torch
 
         self._check_open()
-        for name, ids in (("src", src), ("dst", dst)):
-            if not isinstance(ids, (list, tuple)):
-                raise BadRequest(f"copy_blocks: {name} must be a list of block ids, got {type(ids).__name__}")
+        check_id_list(src, "copy_blocks: src must be")
+        check_id_list(dst, "copy_blocks: dst must be")
         if len(src) != len(dst):
             raise BadRequest(f"copy_blocks: {len(src)} sources for {len(dst)} destinations")
         if self.core.state.asleep:
@@ -446,8 +446,7 @@ class KVPool:
         lock holder has it.
         """
         if type(block_ids) is not list and not isinstance(block_ids, tuple):
-            hint = " (pass .tolist())" if hasattr(block_ids, "tolist") else ""
-            raise BadRequest(f"free() takes a list of block ids, got {type(block_ids).__name__}{hint}")
+            check_id_list(block_ids, "free() takes")
         core = self.core
         gate = self._gate
         try:

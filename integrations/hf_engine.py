@@ -371,7 +371,7 @@ class Engine:
                 self.scheduler.abort(request)
             self.manager.evict_cached(self.manager.num_evictable_blocks)
             self._keep_free(0)
-            self.pool.quiesce_hook = self.pool.resume_hook = self.pool.reclaim_hook = None
+            _release(self.pool)
 
     def __enter__(self) -> Engine:
         return self
@@ -494,7 +494,7 @@ def _claim(pool: EnginePool) -> None:
 
 
 def _release(pool: EnginePool) -> None:
-    """Undo a claim whose engine failed to build: the hooks it may have set go."""
+    """Give a claimed pool back (its engine closed, or failed to build): the hooks it set go."""
     pool.quiesce_hook = pool.resume_hook = pool.reclaim_hook = None
 
 
